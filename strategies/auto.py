@@ -1,0 +1,39 @@
+"""auto: per layer and step, whichever exact form is smaller — dense gradient or factors.
+
+dAD's factors cost n_s·(k + m) floats per group where the gradient costs k·m (+ m bias).
+Which is smaller depends on the batch: rows grow with batch size, sequence length and
+convolution positions. ``auto`` decides per layer and per step, on each side:
+
+    up   = min(n_s·G·(k + m),  G·k·m + G·m)            per site (site decides on n_s)
+    down = min(N·G·(k + m),    G·k·m + G·m)            factors only if every site sent them
+
+Both forms are exact, so the update equals dSGD's whatever is chosen. Uncovered
+parameters and buffers travel dense. Reveals what dAD reveals for layers sent as
+factors and what dSGD reveals for the rest; the raw-input guard of dAD applies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import Strategy, check_raw_input, may_share
+from .dad import FactorServer, FactorSite, dense_cost, factor_cost
+from .layout import CapturedLayer, Layout
+
+
+@dataclass(frozen=True)
+class Auto(Strategy):
+    raw_input: str = "dense"
+    name = "auto"
+
+    def __post_init__(self) -> None:
+        check_raw_input(self.raw_input)
+
+    def sends_factors(self, layer: CapturedLayer, rows: int) -> bool:
+        return may_share(layer, self.raw_input, "activations") and factor_cost(layer, rows) < dense_cost(layer)
+
+    def site(self, layout: Layout) -> FactorSite:
+        return FactorSite(layout, self.sends_factors)
+
+    def server(self, layout: Layout) -> FactorServer:
+        return FactorServer(layout, "smaller")

@@ -1,0 +1,250 @@
+"""Typed containers shared by every strategy: payloads, the step protocol, dense parts.
+
+A strategy has two halves. The **site half** turns one local forward/backward into the
+payload of phase 0, and turns each server message into the next phase's payload or,
+after the last phase, into the update. The **server half** aggregates the sites'
+payloads of one phase into one message that every site receives. Every replica
+(sites and server) derives the update from the same messages with the same code, so
+replicas stay bit-identical.
+
+Scaling convention: a site backpropagates the **sum** of its per-sample losses, so
+every uploaded gradient or factor is in "sum" units; the server divides by
+N = Σ n_s. The update is therefore the gradient of the mean loss over the union of
+all sites' batches (site weight n_s / N), whatever the batch sizes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import torch
+
+from .layout import CapturedLayer, Layout
+
+ROLE_SEPARATOR = ":"
+
+
+def tensor_key(name: str, role: str) -> str:
+    """Payload key of one tensor: ``"<parameter or layer name>:<role>"``."""
+    return f"{name}{ROLE_SEPARATOR}{role}"
+
+
+def split_key(key: str) -> tuple[str, str]:
+    name, _, role = key.rpartition(ROLE_SEPARATOR)
+    return name, role
+
+
+@dataclass
+class Payload:
+    """What one party sends in one phase of one step.
+
+    ``tensors`` maps ``"<name>:<role>"`` to a tensor (roles: ``grad``, ``A``, ``D``,
+    ``P``, ``Q``, ``buffer`` ...). ``num_samples`` is n_s on the way up and N on the way
+    down. Sizes are exact: what the tensors occupy, nothing estimated.
+    """
+
+    step: int
+    phase: int
+    num_samples: int
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def nbytes_by_layer(self) -> dict[str, int]:
+        sizes: dict[str, int] = {}
+        for key, tensor in self.tensors.items():
+            name, _ = split_key(key)
+            sizes[name] = sizes.get(name, 0) + tensor.numel() * tensor.element_size()
+        return sizes
+
+    def to(self, device: torch.device | str) -> "Payload":
+        return Payload(
+            self.step, self.phase, self.num_samples, {k: v.to(device) for k, v in self.tensors.items()}
+        )
+
+
+@dataclass
+class LocalResult:
+    """One site's forward/backward: summed-loss gradients, captured factors, buffers."""
+
+    num_samples: int
+    loss_sum: float
+    grads: dict[str, torch.Tensor]
+    factors: dict[str, "Factors"]
+    buffers: dict[str, torch.Tensor]
+
+
+@dataclass
+class Factors:
+    """Rows of one captured layer: ``A`` (G, n, k) inputs and ``D`` (G, n, m) output deltas.
+
+    G is the number of groups (1 for Linear); the weight gradient of group g is
+    ``D[g].T @ A[g]`` (m × k), reshaped to the weight's shape.
+    """
+
+    A: torch.Tensor
+    D: torch.Tensor
+
+
+class SiteHalf(Protocol):
+    def begin(self, local: LocalResult, step: int) -> Payload:
+        """Payload of phase 0 from one local forward/backward."""
+
+    def receive(self, message: Payload) -> Payload | None:
+        """Take the server's message of a phase; return the next phase's payload, or
+        None after the last phase."""
+
+
+class ServerHalf(Protocol):
+    def aggregate(self, payloads: Sequence[Payload]) -> Payload:
+        """Combine the sites' payloads of one phase (in site order) into the message
+        every site receives."""
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """Options of one strategy, and the factory of its matching halves.
+
+    ``decode`` turns the server's messages of one step into the update (mean-loss
+    gradient by parameter name, averaged buffers under ``"<name>:buffer"``). Every
+    replica calls it on the same messages, which keeps replicas bit-identical.
+    """
+
+    name = "strategy"
+    needs_factors = True
+
+    def site(self, layout: Layout) -> SiteHalf:  # pragma: no cover - every strategy overrides
+        raise NotImplementedError
+
+    def server(self, layout: Layout) -> ServerHalf:  # pragma: no cover - every strategy overrides
+        raise NotImplementedError
+
+    def decode(self, layout: Layout, messages: Sequence[Payload]) -> dict[str, torch.Tensor]:
+        return decode_message(layout, messages[-1])
+
+
+RAW_INPUT_POLICIES = ("dense", "low_rank", "activations")
+
+
+def check_raw_input(raw_input: str) -> None:
+    if raw_input not in RAW_INPUT_POLICIES:
+        raise ValueError(
+            f"raw_input={raw_input!r} is not one of {', '.join(RAW_INPUT_POLICIES)}: 'dense' keeps "
+            "layers that read the raw input dense, 'low_rank' allows low-rank factors of them, "
+            "'activations' allows their raw activations to leave the site"
+        )
+
+
+def may_share(layer: CapturedLayer, raw_input: str, form: str) -> bool:
+    """Privacy guard: may this layer leave the site as ``form`` ("activations" or "low_rank")?
+
+    Layers that read the model's raw input (patient data) travel dense unless the
+    configuration explicitly allows that form; low-rank factors are allowed by
+    ``"low_rank"`` and ``"activations"``, raw activations only by ``"activations"``.
+    """
+    check_raw_input(raw_input)
+    if not layer.raw_input:
+        return True
+    return raw_input == "activations" or (form == "low_rank" and raw_input == "low_rank")
+
+
+# ----------------------------------------------------------------------------- dense parts
+# Parameters no factor capture covers, parameters a strategy chooses to send dense, and
+# buffers (BatchNorm running statistics, sample-weighted) travel the same way in every
+# strategy: up as sums, down as means.
+
+BUFFER_ROLE = "buffer"
+GRAD_ROLE = "grad"
+
+
+def dense_upload(local: LocalResult, names: Sequence[str], buffers: Sequence[str]) -> dict[str, torch.Tensor]:
+    tensors = {tensor_key(name, GRAD_ROLE): local.grads[name] for name in names}
+    for name in buffers:
+        value = local.buffers[name]
+        # Integer buffers (num_batches_tracked) are identical on every replica: one copy.
+        tensors[tensor_key(name, BUFFER_ROLE)] = value * local.num_samples if value.is_floating_point() else value
+    return tensors
+
+
+def dense_aggregate(payloads: Sequence[Payload], names: Sequence[str], buffers: Sequence[str]) -> dict[str, torch.Tensor]:
+    total = sum(p.num_samples for p in payloads)
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        key = tensor_key(name, GRAD_ROLE)
+        out[key] = sum_in_order([p.tensors[key] for p in payloads]) / total
+    for name in buffers:
+        key = tensor_key(name, BUFFER_ROLE)
+        first = payloads[0].tensors[key]
+        if first.is_floating_point():
+            out[key] = sum_in_order([p.tensors[key] for p in payloads]) / total
+        else:
+            out[key] = torch.stack([p.tensors[key] for p in payloads]).max(dim=0).values
+    return out
+
+
+def dense_update(message: Payload, names: Sequence[str], buffers: Sequence[str]) -> dict[str, torch.Tensor]:
+    update = {name: message.tensors[tensor_key(name, GRAD_ROLE)] for name in names}
+    for name in buffers:
+        update[tensor_key(name, BUFFER_ROLE)] = message.tensors[tensor_key(name, BUFFER_ROLE)]
+    return update
+
+
+def sum_in_order(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Sum in the given order: the server sorts payloads by site so sums are reproducible."""
+    total = tensors[0].clone()
+    for tensor in tensors[1:]:
+        total += tensor
+    return total
+
+
+def group_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Concatenate (G, n_s, k) blocks of every site along the row axis."""
+    return torch.cat(list(tensors), dim=1)
+
+
+def weight_from_factors(A: torch.Tensor, D: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Σ_rows Dᵀ A per group, reshaped to the weight's shape."""
+    return torch.bmm(D.transpose(1, 2), A).reshape(shape)
+
+
+def bias_from_deltas(D: torch.Tensor) -> torch.Tensor:
+    """Σ_rows D per group, groups concatenated: the bias gradient."""
+    return D.sum(dim=1).reshape(-1)
+
+
+def numel(shape: Sequence[int]) -> int:
+    return math.prod(shape)
+
+
+FACTOR_ROLES = ("A", "D")
+LOW_RANK_ROLES = ("P", "Q")
+
+
+def decode_message(layout: Layout, message: Payload) -> dict[str, torch.Tensor]:
+    """The update carried by one message: dense means, activation factors, low-rank factors.
+
+    Factors arrive in sum units and are divided by N = ``message.num_samples`` here;
+    dense entries already are means.
+    """
+    update: dict[str, torch.Tensor] = {}
+    for key, tensor in message.tensors.items():
+        name, role = split_key(key)
+        if role == GRAD_ROLE:
+            update[name] = tensor
+        elif role == BUFFER_ROLE:
+            update[key] = tensor
+    total = message.num_samples
+    for layer in layout.layers:
+        a_key, p_key = tensor_key(layer.module, "A"), tensor_key(layer.module, "P")
+        if a_key in message.tensors:
+            A, D = message.tensors[a_key], message.tensors[tensor_key(layer.module, "D")]
+            update[layer.weight] = weight_from_factors(A, D, layer.weight_shape) / total
+            if layer.bias is not None:
+                update[layer.bias] = bias_from_deltas(D) / total
+        elif p_key in message.tensors:
+            P, Q = message.tensors[p_key], message.tensors[tensor_key(layer.module, "Q")]
+            update[layer.weight] = torch.bmm(P, Q.transpose(1, 2)).reshape(layer.weight_shape) / total
+    return update

@@ -1,0 +1,132 @@
+"""One synchronous step of any strategy over in-memory sites, and the dSGD reference.
+
+These functions are the public way to check a strategy on your own model::
+
+    from dadfl.strategies import make_strategy, step_update, reference_update
+    batches = [(x1, y1), (x2, y2)]            # one (inputs, targets) batch per site
+    update = step_update(make_strategy("dad"), model, per_sample_loss, batches)
+    ref = reference_update(model, per_sample_loss, batches)
+    max(((update[k] - ref[k]).norm() / ref[k].norm()).item() for k in ref)
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from .base import BUFFER_ROLE, LocalResult, Payload, ServerHalf, SiteHalf, Strategy, split_key
+from .capture import local_step, per_sample_losses
+from .layout import Layout
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class Traffic:
+    """Exact bytes of one step: per phase, what each site sent and what each received."""
+
+    up: list[list[int]] = field(default_factory=list)  # [phase][site]
+    down: list[int] = field(default_factory=list)  # [phase], received by every site
+    up_by_layer: dict[str, int] = field(default_factory=dict)  # summed over sites and phases
+    down_by_layer: dict[str, int] = field(default_factory=dict)  # per site, summed over phases
+
+    @property
+    def up_total(self) -> int:
+        return sum(sum(phase) for phase in self.up)
+
+    @property
+    def down_per_site(self) -> int:
+        return sum(self.down)
+
+
+def exchange(
+    sites: Sequence[SiteHalf], server: ServerHalf, locals_: Sequence[LocalResult], step: int
+) -> tuple[list[Payload], Traffic]:
+    """Run every phase of one step; return the server's messages and the bytes moved."""
+    traffic = Traffic()
+    payloads = [site.begin(local, step) for site, local in zip(sites, locals_)]
+    messages = []
+    while True:
+        traffic.up.append([p.nbytes() for p in payloads])
+        for p in payloads:
+            _accumulate(traffic.up_by_layer, p.nbytes_by_layer())
+        message = server.aggregate(payloads)
+        messages.append(message)
+        traffic.down.append(message.nbytes())
+        _accumulate(traffic.down_by_layer, message.nbytes_by_layer())
+        replies = [site.receive(message) for site in sites]
+        if all(r is None for r in replies):
+            return messages, traffic
+        if any(r is None for r in replies):
+            raise RuntimeError("sites disagree on the number of phases in this step")
+        payloads = replies
+
+
+def _accumulate(total: dict[str, int], part: dict[str, int]) -> None:
+    for key, value in part.items():
+        total[key] = total.get(key, 0) + value
+
+
+def layout_for(model: nn.Module, batch: Batch) -> Layout:
+    inputs = batch[0]
+    return Layout.from_model(model, inputs)
+
+
+def step_update(
+    strategy: Strategy, model: nn.Module, loss_fn: LossFn, site_batches: Sequence[Batch]
+) -> dict[str, torch.Tensor]:
+    """The update one step of ``strategy`` reconstructs from per-site batches.
+
+    ``loss_fn(outputs, targets)`` returns per-sample losses. Returns the mean-loss
+    gradient by parameter name (canonical names of ``model.named_parameters()``) plus
+    averaged buffers under ``"<name>:buffer"``. The model's gradients are overwritten.
+    """
+    layout = layout_for(model, site_batches[0])
+    locals_ = [local_step(model, layout, loss_fn, x, y, capture=strategy.needs_factors) for x, y in site_batches]
+    sites = [strategy.site(layout) for _ in site_batches]
+    messages, _ = exchange(sites, strategy.server(layout), locals_, step=0)
+    return strategy.decode(layout, messages)
+
+
+def reference_update(model: nn.Module, loss_fn: LossFn, site_batches: Sequence[Batch]) -> dict[str, torch.Tensor]:
+    """Σ_s (n_s/N) ∇(mean loss of site s), by plain autograd: the dSGD reference."""
+    total = sum(int(y.shape[0]) for _, y in site_batches)
+    reference: dict[str, torch.Tensor] = {}
+    for inputs, targets in site_batches:
+        model.zero_grad(set_to_none=True)
+        args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        losses = per_sample_losses(loss_fn(model(*args), targets))
+        (losses.mean() * (targets.shape[0] / total)).backward()
+        for name, param in model.named_parameters():
+            if param.grad is not None:
+                reference[name] = reference.get(name, 0) + param.grad.detach().clone()
+    model.zero_grad(set_to_none=True)
+    return reference
+
+
+def apply_update(model: nn.Module, optimizer: torch.optim.Optimizer, update: dict[str, torch.Tensor]) -> None:
+    """Set every parameter's gradient to the update, step the optimizer, copy buffers."""
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    for key, value in update.items():
+        name, role = split_key(key)
+        if role == BUFFER_ROLE:
+            buffers[name].copy_(value)
+        else:
+            params[key].grad = value.to(params[key].dtype).clone()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def weights_fingerprint(model: nn.Module) -> str:
+    """SHA-256 of every parameter and buffer, in order: equal iff replicas are bit-identical."""
+    digest = hashlib.sha256()
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
