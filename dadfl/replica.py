@@ -1,0 +1,88 @@
+"""One copy of the shared model: workload, optimizer and the strategy's halves around it.
+
+Every participant holds a replica — each site (with local data) and the coordinator
+(without). All of them build the model from the same seed and apply the same decoded
+update with the same optimizer, so their weights stay bit-identical; the weights
+fingerprint checks it after every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import torch
+
+from dadfl.strategies import Layout, Payload, Strategy, apply_update, local_step, weights_fingerprint
+from dadfl.strategies.base import LocalResult
+from dadfl.workloads import Workload
+
+from .config import StrictModel
+
+
+class OptimizerConfig(StrictModel):
+    name: Literal["sgd", "adam"] = "sgd"
+    lr: float = 0.1
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+
+    def build(self, params) -> torch.optim.Optimizer:
+        if self.name == "sgd":
+            return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+        return torch.optim.Adam(params, lr=self.lr, weight_decay=self.weight_decay)
+
+
+def resolve_device(device: str) -> torch.device:
+    """``"auto"`` picks CUDA when present; an explicit ``"cuda"`` without one is an error."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but this machine has no CUDA device; use 'cpu' or 'auto'")
+    return torch.device(device)
+
+
+@dataclass
+class Replica:
+    workload: Workload
+    strategy: Strategy
+    optimizer_config: OptimizerConfig
+    device: torch.device = torch.device("cpu")
+
+    def __post_init__(self) -> None:
+        self.model = self.workload.build_model().to(self.device)
+        self.optimizer = self.optimizer_config.build(self.model.parameters())
+        example = self.workload.train.inputs[:2].to(self.device)
+        self.layout = Layout.from_model(self.model, example)
+        self.half = self.strategy.site(self.layout)
+
+    def local(self, inputs: torch.Tensor, targets: torch.Tensor) -> LocalResult:
+        self.model.train()
+        return local_step(
+            self.model,
+            self.layout,
+            self.workload.loss,
+            inputs.to(self.device),
+            targets.to(self.device),
+            capture=self.strategy.needs_factors,
+        )
+
+    def apply(self, messages: Sequence[Payload]) -> str:
+        """Decode the step's messages, apply the update, return the weights fingerprint."""
+        update = self.strategy.decode(self.layout, [m.to(self.device) for m in messages])
+        apply_update(self.model, self.optimizer, update)
+        return weights_fingerprint(self.model)
+
+    @torch.no_grad()
+    def evaluate(self, batch_size: int = 512) -> dict[str, float]:
+        """Mean loss and metric on the workload's held-out split."""
+        self.model.eval()
+        split = self.workload.test
+        outputs, losses = [], []
+        for start in range(0, len(split), batch_size):
+            x = split.inputs[start : start + batch_size].to(self.device)
+            y = split.targets[start : start + batch_size].to(self.device)
+            out = self.model(x)
+            outputs.append(out)
+            losses.append(self.workload.loss(out, y).reshape(len(y), -1).mean(dim=1))
+        out, y = torch.cat(outputs), split.targets.to(self.device)
+        return {"loss": float(torch.cat(losses).mean()), self.workload.metric_name: float(self.workload.metric(out, y))}
