@@ -53,7 +53,7 @@ class Replica:
         self.optimizer = self.optimizer_config.build(self.model.parameters())
         example = self.workload.train.inputs[:2].to(self.device)
         self.layout = Layout.from_model(self.model, example)
-        self.half = self.strategy.site(self.layout)
+        self.half = self.strategy.site(self.layout, self.model)
 
     def local(self, inputs: torch.Tensor, targets: torch.Tensor) -> LocalResult:
         self.model.train()
@@ -68,7 +68,7 @@ class Replica:
 
     def apply(self, messages: Sequence[Payload]) -> str:
         """Decode the step's messages, apply the update, return the weights fingerprint."""
-        update = self.strategy.decode(self.layout, [m.to(self.device) for m in messages])
+        update = self.strategy.decode(self.layout, [m.to(self.device) for m in messages], self.model)
         apply_update(self.model, self.optimizer, update)
         return weights_fingerprint(self.model)
 

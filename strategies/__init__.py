@@ -13,11 +13,12 @@ from .auto import Auto
 from .base import LocalResult, Payload, Strategy
 from .dad import DAD
 from .dsgd import DSGD
+from .edad import EDAD
 from .layout import CapturedLayer, Layout
 from .step import Traffic, apply_update, exchange, reference_update, step_update, weights_fingerprint
 from .capture import local_step
 
-STRATEGIES: dict[str, type[Strategy]] = {"dsgd": DSGD, "dad": DAD, "auto": Auto}
+STRATEGIES: dict[str, type[Strategy]] = {"dsgd": DSGD, "dad": DAD, "auto": Auto, "edad": EDAD}
 
 
 def make_strategy(name: str, **options) -> Strategy:

@@ -32,8 +32,8 @@ class Auto(Strategy):
     def sends_factors(self, layer: CapturedLayer, rows: int) -> bool:
         return may_share(layer, self.raw_input, "activations") and factor_cost(layer, rows) < dense_cost(layer)
 
-    def site(self, layout: Layout) -> FactorSite:
+    def site(self, layout: Layout, model=None) -> FactorSite:
         return FactorSite(layout, self.sends_factors)
 
-    def server(self, layout: Layout) -> FactorServer:
+    def server(self, layout: Layout, model=None) -> FactorServer:
         return FactorServer(layout, "smaller")

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 import torch
+from torch import nn
 
 from .layout import CapturedLayer, Layout
 
@@ -111,19 +112,27 @@ class Strategy:
     ``decode`` turns the server's messages of one step into the update (mean-loss
     gradient by parameter name, averaged buffers under ``"<name>:buffer"``). Every
     replica calls it on the same messages, which keeps replicas bit-identical.
+    ``model`` is the caller's replica (current weights, before the update); only
+    strategies that recompute through the network (edAD) read it.
     """
 
     name = "strategy"
     needs_factors = True
 
-    def site(self, layout: Layout) -> SiteHalf:  # pragma: no cover - every strategy overrides
+    def site(self, layout: Layout, model: nn.Module | None = None) -> SiteHalf:  # pragma: no cover
         raise NotImplementedError
 
-    def server(self, layout: Layout) -> ServerHalf:  # pragma: no cover - every strategy overrides
+    def server(self, layout: Layout, model: nn.Module | None = None) -> ServerHalf:  # pragma: no cover
         raise NotImplementedError
 
-    def decode(self, layout: Layout, messages: Sequence[Payload]) -> dict[str, torch.Tensor]:
+    def decode(
+        self, layout: Layout, messages: Sequence[Payload], model: nn.Module | None = None
+    ) -> dict[str, torch.Tensor]:
         return decode_message(layout, messages[-1])
+
+    def describe(self, layout: Layout, messages: Sequence[Payload]) -> dict[str, float]:
+        """Per-step diagnostics for the metrics log (e.g. effective rank per layer)."""
+        return {}
 
 
 RAW_INPUT_POLICIES = ("dense", "low_rank", "activations")

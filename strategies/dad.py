@@ -135,8 +135,8 @@ class DAD(Strategy):
             raise ValueError(f"dad: downlink={self.downlink!r} must be 'dense' or 'factors'")
         check_raw_input(self.raw_input)
 
-    def site(self, layout: Layout) -> FactorSite:
+    def site(self, layout: Layout, model=None) -> FactorSite:
         return FactorSite(layout, lambda layer, rows: may_share(layer, self.raw_input, "activations"))
 
-    def server(self, layout: Layout) -> FactorServer:
+    def server(self, layout: Layout, model=None) -> FactorServer:
         return FactorServer(layout, self.downlink)

@@ -52,8 +52,8 @@ class DSGD(Strategy):
     name = "dsgd"
     needs_factors = False
 
-    def site(self, layout: Layout) -> DenseSite:
+    def site(self, layout: Layout, model=None) -> DenseSite:
         return DenseSite(layout)
 
-    def server(self, layout: Layout) -> DenseServer:
+    def server(self, layout: Layout, model=None) -> DenseServer:
         return DenseServer(layout)

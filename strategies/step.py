@@ -87,10 +87,16 @@ def step_update(
     averaged buffers under ``"<name>:buffer"``. The model's gradients are overwritten.
     """
     layout = layout_for(model, site_batches[0])
-    locals_ = [local_step(model, layout, loss_fn, x, y, capture=strategy.needs_factors) for x, y in site_batches]
-    sites = [strategy.site(layout) for _ in site_batches]
-    messages, _ = exchange(sites, strategy.server(layout), locals_, step=0)
-    return strategy.decode(layout, messages)
+    # Every site starts from the same buffers (BatchNorm statistics), as separate replicas would.
+    start = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    locals_ = []
+    for inputs, targets in site_batches:
+        for name, buffer in model.named_buffers():
+            buffer.copy_(start[name])
+        locals_.append(local_step(model, layout, loss_fn, inputs, targets, capture=strategy.needs_factors))
+    sites = [strategy.site(layout, model) for _ in site_batches]
+    messages, _ = exchange(sites, strategy.server(layout, model), locals_, step=0)
+    return strategy.decode(layout, messages, model)
 
 
 def reference_update(model: nn.Module, loss_fn: LossFn, site_batches: Sequence[Batch]) -> dict[str, torch.Tensor]:

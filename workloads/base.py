@@ -8,6 +8,7 @@ needs to train and evaluate one shared model comes from here.
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -84,6 +85,13 @@ def load_workload(spec: str, **options) -> Workload:
     factory = getattr(module, factory_name, None)
     if factory is None:
         raise ValueError(f"workload {spec!r}: module {module_name!r} has no attribute {factory_name!r}")
+    accepted = inspect.signature(factory).parameters
+    unknown = sorted(set(options) - set(accepted))
+    if unknown and not any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
+        raise ValueError(
+            f"workload {spec!r} has no option {', '.join(map(repr, unknown))}; "
+            f"its options are: {', '.join(accepted) or 'none'}"
+        )
     workload = factory(**options)
     if not isinstance(workload, Workload):
         raise TypeError(f"workload factory {path!r} returned {type(workload).__name__}, not a Workload")

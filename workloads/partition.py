@@ -123,14 +123,19 @@ def site_batches(
     Each epoch reshuffles the site's samples with the site's own generator and yields
     ``len(index) // batch_size`` full batches (the tail is left for a later epoch's
     shuffle), so every batch of a site has the same size. A site with fewer samples than
-    ``batch_size`` yields all of them every time.
+    ``batch_size`` yields all of them every time. Bad arguments fail here, not at the first
+    ``next``.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     if len(index) == 0:
         raise ValueError("site has no samples: cannot draw minibatches from an empty index")
-    generator = torch.Generator().manual_seed(seed)
-    size = min(batch_size, len(index))
+    return _endless_batches(split, index, min(batch_size, len(index)), torch.Generator().manual_seed(seed))
+
+
+def _endless_batches(
+    split: Split, index: torch.Tensor, size: int, generator: torch.Generator
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     while True:
         order = index[torch.randperm(len(index), generator=generator)]
         for start in range(0, len(order) - size + 1, size):

@@ -2,8 +2,8 @@
 
 The text is ``pydoc_data.topics.topics`` (English prose and code that ships with every
 Python), so no download is needed. Both models are built from ``nn.Linear`` modules
-that are *reused*: the GRU cell's Linear layers run once per time step, the
-transformer's on every position at once, and the transformer's output head shares its
+that are *reused*: the GRU's Linear layers (cell and head) run once per time step,
+the transformer's on every position at once, and the transformer's output head shares its
 weight with the token embedding. These are the cases where factor capture must stack
 the rows of every call and send tied weights dense.
 """

@@ -1,0 +1,100 @@
+"""Every exact strategy reconstructs the dSGD reference on every kind of model.
+
+Unequal site batches, including a site with a single sample; the reference is the
+weighted mean Σ_s (n_s/N)∇(mean loss of s) computed by plain autograd.
+"""
+
+import pytest
+import torch
+
+from dadfl.strategies import Layout, make_strategy, reference_update, step_update
+
+from model_zoo import build, per_sample_cross_entropy, site_batches
+
+EXACT = [
+    ("dsgd", {}),
+    ("dad", {}),
+    ("dad", {"downlink": "factors"}),
+    ("dad", {"raw_input": "activations"}),
+    ("auto", {}),
+    ("auto", {"raw_input": "activations"}),
+]
+
+
+def relative_errors(update, reference):
+    return {name: float((update[name] - ref).norm() / ref.norm().clamp_min(1e-30)) for name, ref in reference.items()}
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn", "gru", "transformer", "norm"])
+@pytest.mark.parametrize("strategy,options", EXACT)
+def test_exact_strategies_match_reference(kind, strategy, options):
+    model = build(kind)
+    # BatchNorm cannot train on one sample (PyTorch refuses), so the norm model's smallest site has 2.
+    batches = site_batches(kind, sizes=(5, 2, 3) if kind == "norm" else (5, 1, 3))
+    reference = reference_update(model, per_sample_cross_entropy, batches)
+    update = step_update(make_strategy(strategy, **options), model, per_sample_cross_entropy, batches)
+    assert set(reference) <= set(update), "every parameter must be synchronised"
+    errors = relative_errors(update, reference)
+    assert max(errors.values()) <= 1e-5, errors
+
+
+@pytest.mark.parametrize("options", [{}, {"downlink": "factors"}, {"raw_input": "activations"}])
+def test_edad_matches_reference_on_mlp(options):
+    model = build("mlp")
+    batches = site_batches("mlp", sizes=(4, 1, 9, 2))
+    reference = reference_update(model, per_sample_cross_entropy, batches)
+    update = step_update(make_strategy("edad", **options), model, per_sample_cross_entropy, batches)
+    assert max(relative_errors(update, reference).values()) <= 1e-5
+
+
+@pytest.mark.parametrize("kind", ["cnn", "gru", "transformer", "norm"])
+def test_edad_refuses_models_it_cannot_recompute(kind):
+    model = build(kind)
+    with pytest.raises(ValueError, match="edad.*use 'dad' or 'auto'"):
+        step_update(make_strategy("edad"), model, per_sample_cross_entropy, site_batches(kind, sizes=(2, 3)))
+
+
+def test_reference_differs_from_unweighted_mean():
+    """The weighting matters: a plain mean of per-site gradients is not the reference."""
+    model = build("mlp")
+    batches = site_batches("mlp", sizes=(9, 1))
+    reference = reference_update(model, per_sample_cross_entropy, batches)
+    per_site = [reference_update(model, per_sample_cross_entropy, [b]) for b in batches]
+    unweighted = {k: (per_site[0][k] + per_site[1][k]) / 2 for k in reference}
+    assert max(relative_errors(unweighted, reference).values()) > 1e-2
+
+
+def test_layout_covers_every_parameter():
+    """Tied embedding, raw Parameters, norms: dense; Linear/Conv weights: captured."""
+    model = build("transformer")
+    layout = Layout.from_model(model, site_batches("transformer")[0][0])
+    captured = {layer.module for layer in layout.layers}
+    assert captured == {"qkv", "proj", "up", "down"}, "the tied head must not be captured"
+    assert {"embed.weight", "position", "norm1.weight", "norm2.bias"} <= set(layout.uncovered)
+    covered = {layer.weight for layer in layout.layers} | {layer.bias for layer in layout.layers}
+    assert set(layout.params) == covered | set(layout.uncovered)
+
+
+def test_module_reuse_keeps_rows_of_every_call():
+    from dadfl.strategies import local_step
+
+    model = build("gru")
+    inputs, targets = site_batches("gru", sizes=(3,))[0]
+    layout = Layout.from_model(model, inputs)
+    local = local_step(model, layout, per_sample_cross_entropy, inputs, targets)
+    # 3 sequences × 5 time steps = 15 rows per reused cell
+    assert local.factors["hidden_gates"].A.shape == (1, 15, 10)
+    assert local.factors["head"].D.shape == (1, 15, 7)
+
+
+def test_batchnorm_running_statistics_are_sample_weighted():
+    model = build("norm")
+    batches = site_batches("norm", sizes=(6, 2))
+    update = step_update(make_strategy("dad"), model, per_sample_cross_entropy, batches)
+    expected = 0
+    for inputs, _ in batches:
+        replica = build("norm")
+        replica.train()
+        replica(inputs)
+        expected = expected + replica.bn.running_mean * len(inputs)
+    torch.testing.assert_close(update["bn.running_mean:buffer"], expected / 8)
