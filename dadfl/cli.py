@@ -1,0 +1,130 @@
+"""The ``dadfl`` command: simulate a federation, run a coordinator, run a site."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from .config import ConfigError, load_config, validate_config
+from .metrics import MetricsWriter
+from .report import human_bytes, write_plots
+from .simulation import SimulationConfig, StrategySpec, run_directory, simulate
+
+app = typer.Typer(help="Federated learning that shares auto-differentiation factors.", no_args_is_help=True)
+console = Console()
+
+
+@app.callback()
+def main() -> None:
+    """dadfl: train one shared model across sites that never move their data."""
+
+
+def fail(message: str) -> None:
+    console.print(f"[red]error:[/red] {message}")
+    raise typer.Exit(2)
+
+
+@app.command()
+def sim(
+    config: Optional[Path] = typer.Option(None, help="simulation TOML (see configs/simulation.toml); flags override it"),
+    workload: Optional[str] = typer.Option(None, help="built-in name (digits-mlp, digits-cnn, breast-cancer-mlp, char-gru, char-transformer) or module:factory"),
+    strategies: Optional[str] = typer.Option(None, help="';'-separated, e.g. 'dsgd;rankdad:rank=4,reduce_on_server=true'"),
+    sites: Optional[int] = typer.Option(None, help="number of sites"),
+    steps: Optional[int] = typer.Option(None, help="training steps"),
+    batch_size: Optional[int] = typer.Option(None, help="samples per site per step"),
+    partition: Optional[str] = typer.Option(None, help="iid, dirichlet or quantity"),
+    alpha: Optional[float] = typer.Option(None, help="Dirichlet concentration for label/quantity skew"),
+    lr: Optional[float] = typer.Option(None, help="learning rate"),
+    seed: Optional[int] = typer.Option(None, help="seed for data split, batches and model"),
+    device: Optional[str] = typer.Option(None, help="auto, cpu or cuda"),
+    out: Path = typer.Option(Path("runs"), help="folder for run directories"),
+) -> None:
+    """Simulate a federation in one process and compare strategies."""
+    try:
+        base = load_config(config, SimulationConfig).model_dump() if config else SimulationConfig().model_dump()
+        explicit = strategies is not None or (config is not None and "strategies" in _toml_keys(config))
+        overrides = {
+            "workload": workload, "sites": sites, "steps": steps, "batch_size": batch_size,
+            "partition": partition, "alpha": alpha, "seed": seed, "device": device,
+        }
+        base.update({k: v for k, v in overrides.items() if v is not None})
+        if lr is not None:
+            base["optimizer"] = {**base["optimizer"], "lr": lr}
+        if strategies is not None:
+            base["strategies"] = [StrategySpec.parse(s).model_dump() for s in strategies.split(";") if s.strip()]
+        settings = validate_config(base, SimulationConfig, source=str(config or "command line"))
+    except (ConfigError, ValueError) as exc:
+        fail(str(exc))
+        return
+
+    specs = _applicable(settings, explicit)
+    run_dir = run_directory(out)
+    (run_dir / "config.json").write_text(json.dumps(settings.model_dump(), indent=2))
+    console.print(
+        f"[bold]dadfl sim[/bold]: {settings.workload}, {settings.sites} sites ({settings.partition}), "
+        f"{settings.batch_size} samples per site per step, {settings.steps} steps -> {run_dir}"
+    )
+    summaries = []
+    columns = (TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with MetricsWriter(run_dir / "metrics.jsonl") as metrics, Progress(*columns, console=console) as bar:
+        for spec in specs:
+            task = bar.add_task(spec.display, total=settings.steps)
+            summaries.append(simulate(settings, spec, metrics, lambda _: bar.advance(task)))
+    (run_dir / "summary.json").write_text(json.dumps(summaries, indent=2))
+    plots = write_plots(run_dir)
+    console.print(summary_table(summaries))
+    console.print(f"metrics: {run_dir / 'metrics.jsonl'}; plots: {', '.join(p.name for p in plots)}")
+
+
+def _toml_keys(path: Path) -> set[str]:
+    import tomllib
+
+    return set(tomllib.loads(path.read_text()))
+
+
+def _applicable(settings: SimulationConfig, explicit: bool) -> list[StrategySpec]:
+    """Strategies that can train this workload; defaults that cannot are skipped with a note."""
+    from dadfl.strategies import make_strategy
+    from dadfl.workloads import load_workload
+
+    from .replica import Replica, resolve_device
+
+    workload = load_workload(settings.workload, **settings.workload_options)
+    chosen = []
+    for spec in settings.strategies:
+        try:
+            Replica(workload, make_strategy(spec.name, **spec.options), settings.optimizer, resolve_device(settings.device))
+        except ValueError as exc:
+            if explicit:
+                fail(f"{spec.display}: {exc}")
+            console.print(f"[yellow]skipping {spec.display}[/yellow]: {exc}")
+            continue
+        chosen.append(spec)
+    return chosen
+
+
+def summary_table(summaries: list[dict]) -> Table:
+    metric = summaries[0]["metric_name"] if summaries else "metric"
+    table = Table(title="bytes per step, all sites together")
+    for column in ("strategy", metric, "test loss", "up", "down", "ms/step"):
+        table.add_column(column, justify="left" if column == "strategy" else "right")
+    for s in summaries:
+        table.add_row(
+            s["strategy"],
+            f"{s['metric']:.4f}",
+            f"{s['test_loss']:.4f}",
+            human_bytes(s["bytes_up_per_step"]),
+            human_bytes(s["bytes_down_per_step"]),
+            f"{s['seconds_per_step'] * 1000:.1f}",
+        )
+    return table
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,171 @@
+"""In-process federation: N sites and a coordinator in one process, one replica each.
+
+Every site has its own model replica, optimizer, data partition and strategy site half;
+the coordinator has a replica and the server half. Payloads go through the same
+``exchange`` loop the networked runtime implements over gRPC, so the same strategy code
+runs in every mode. After every step all replicas must hold bit-identical weights
+(checked by fingerprint); a mismatch stops the run.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import torch
+from pydantic import Field, field_validator
+
+from dadfl.strategies import exchange, make_strategy
+from dadfl.workloads import load_workload, partition, site_batches
+
+from .config import StrictModel
+from .metrics import MetricsWriter
+from .replica import OptimizerConfig, Replica, resolve_device
+
+
+class StrategySpec(StrictModel):
+    """A strategy by name with its options; ``label`` names it in tables and plots."""
+
+    name: str
+    options: dict[str, Any] = Field(default_factory=dict)
+    label: str = ""
+
+    @property
+    def display(self) -> str:
+        if self.label:
+            return self.label
+        suffix = ",".join(f"{k}={v}" for k, v in sorted(self.options.items()))
+        return f"{self.name}({suffix})" if suffix else self.name
+
+    @classmethod
+    def parse(cls, text: str) -> "StrategySpec":
+        """``"rankdad:rank=4,reduce_on_server=true"`` -> name and typed options."""
+        name, _, rest = text.strip().partition(":")
+        options = {}
+        for item in filter(None, rest.split(",")):
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ValueError(f"strategy option {item!r} in {text!r} must look like key=value")
+            options[key.strip()] = _parse_value(value.strip())
+        return cls(name=name, options=options)
+
+
+def _parse_value(value: str) -> Any:
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
+
+
+class SimulationConfig(StrictModel):
+    workload: str = "digits-mlp"
+    workload_options: dict[str, Any] = Field(default_factory=dict)
+    sites: int = Field(4, ge=1)
+    partition: Literal["iid", "dirichlet", "quantity"] = "iid"
+    alpha: float = Field(0.5, gt=0)
+    batch_size: int = Field(32, ge=1, description="samples per site per step")
+    steps: int = Field(300, ge=1)
+    eval_every: int = Field(50, ge=1)
+    seed: int = 0
+    device: str = "auto"
+    optimizer: OptimizerConfig = OptimizerConfig(name="sgd", lr=0.1, momentum=0.9)
+    strategies: list[StrategySpec] = Field(
+        default_factory=lambda: [
+            StrategySpec(name="dsgd"),
+            StrategySpec(name="dad"),
+            StrategySpec(name="auto"),
+            StrategySpec(name="edad"),
+            StrategySpec(name="rankdad", options={"rank": 4}),
+            StrategySpec(name="powersgd", options={"rank": 4, "start_iter": 10}),
+        ]
+    )
+
+    @field_validator("strategies")
+    @classmethod
+    def _known_strategies(cls, specs: list[StrategySpec]) -> list[StrategySpec]:
+        for spec in specs:
+            make_strategy(spec.name, **spec.options)  # raises with the valid names/options
+        return specs
+
+
+class ReplicaDivergence(RuntimeError):
+    """Replicas applied the same messages but ended with different weights."""
+
+
+Progress = Callable[[int], None]
+
+
+def simulate(
+    config: SimulationConfig, spec: StrategySpec, metrics: MetricsWriter, progress: Progress | None = None
+) -> dict[str, Any]:
+    """Train one strategy for ``config.steps`` steps; write one record per step; return a summary."""
+    device = resolve_device(config.device)
+    workload = load_workload(config.workload, **config.workload_options)
+    strategy = make_strategy(spec.name, **spec.options)
+    indices = partition(
+        config.sites, len(workload.train), config.partition, labels=workload.labels, alpha=config.alpha, seed=config.seed
+    )
+    batches = [site_batches(workload.train, index, config.batch_size, seed=config.seed + s) for s, index in enumerate(indices)]
+    sites = [Replica(workload, strategy, config.optimizer, device) for _ in indices]
+    coordinator = Replica(workload, strategy, config.optimizer, device)
+    server = strategy.server(coordinator.layout, coordinator.model)
+
+    summary: dict[str, Any] = {"strategy": spec.display, "steps": config.steps, "bytes_up": 0, "bytes_down": 0}
+    seconds = 0.0
+    for step in range(config.steps):
+        start = time.perf_counter()
+        locals_ = [site.local(*next(batch)) for site, batch in zip(sites, batches)]
+        messages, traffic = exchange([site.half for site in sites], server, locals_, step)
+        fingerprints = {replica.apply(messages) for replica in [*sites, coordinator]}
+        elapsed = time.perf_counter() - start
+        if len(fingerprints) != 1:
+            raise ReplicaDivergence(f"{spec.display}: replicas differ after step {step}")
+        seconds += elapsed
+        samples = sum(local.num_samples for local in locals_)
+        record = {
+            "strategy": spec.display,
+            "step": step,
+            "sites": len(sites),
+            "samples": samples,
+            "train_loss": sum(local.loss_sum for local in locals_) / samples,
+            "bytes_up": traffic.up_total,
+            "bytes_down": traffic.down_per_site * len(sites),
+            "seconds": elapsed,
+            "fingerprint": fingerprints.pop(),
+            **strategy.describe(coordinator.layout, messages),
+        }
+        if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
+            record.update({f"test_{k}": v for k, v in coordinator.evaluate().items()})
+        metrics.write(record)
+        summary["bytes_up"] += record["bytes_up"]
+        summary["bytes_down"] += record["bytes_down"]
+        if progress:
+            progress(step)
+    final = coordinator.evaluate()
+    summary.update(
+        {
+            "metric_name": workload.metric_name,
+            "metric": final[workload.metric_name],
+            "test_loss": final["loss"],
+            "bytes_up_per_step": summary["bytes_up"] / config.steps,
+            "bytes_down_per_step": summary["bytes_down"] / config.steps,
+            "seconds_per_step": seconds / config.steps,
+        }
+    )
+    return summary
+
+
+def run_directory(root: str | Path, name: str | None = None) -> Path:
+    """A new run folder under ``root``: ``<root>/<timestamp>`` unless ``name`` is given."""
+    path = Path(root) / (name or time.strftime("%Y%m%d-%H%M%S"))
+    suffix, candidate = 1, path
+    while candidate.exists():
+        candidate = path.with_name(f"{path.name}-{suffix}")
+        suffix += 1
+    candidate.mkdir(parents=True)
+    return candidate
