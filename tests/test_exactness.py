@@ -22,7 +22,11 @@ EXACT = [
 
 
 def relative_errors(update, reference):
-    return {name: float((update[name] - ref).norm() / ref.norm().clamp_min(1e-30)) for name, ref in reference.items()}
+    """‖u − r‖ / ‖r‖ per parameter. A parameter whose true gradient is zero in exact
+    arithmetic (attention key biases: softmax ignores a constant shift) holds rounding
+    noise only; it is measured against 1e-3 of the whole update's norm instead."""
+    floor = 1e-3 * torch.sqrt(sum(ref.norm() ** 2 for ref in reference.values()))
+    return {name: float((update[name] - ref).norm() / torch.maximum(ref.norm(), floor)) for name, ref in reference.items()}
 
 
 @pytest.mark.parametrize("kind", ["mlp", "cnn", "gru", "transformer", "norm"])
@@ -98,3 +102,19 @@ def test_batchnorm_running_statistics_are_sample_weighted():
         replica(inputs)
         expected = expected + replica.bn.running_mean * len(inputs)
     torch.testing.assert_close(update["bn.running_mean:buffer"], expected / 8)
+
+
+@pytest.mark.parametrize("workload_name", ["digits-mlp", "digits-cnn", "breast-cancer-mlp", "char-gru", "char-transformer"])
+def test_builtin_workloads_are_exact_under_dad_and_auto(workload_name):
+    from dadfl.workloads import load_workload
+
+    workload = load_workload(workload_name)
+    model = workload.build_model()
+    train = workload.train
+    batches = [(train.inputs[a:b], train.targets[a:b]) for a, b in [(0, 6), (6, 7), (7, 10)]]
+    reference = reference_update(model, workload.loss, batches)
+    names = ["dad", "auto"] + (["edad"] if workload_name.endswith("mlp") else [])
+    for name in names:
+        update = step_update(make_strategy(name), model, workload.loss, batches)
+        errors = relative_errors(update, reference)
+        assert max(errors.values()) <= 1e-5, (name, errors)

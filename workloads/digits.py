@@ -35,7 +35,7 @@ def _as_images(split: Split) -> Split:
     return Split(split.inputs.view(-1, 1, IMAGE_SIDE, IMAGE_SIDE), split.targets)
 
 
-def mlp(hidden: int = 64, seed: int = 0, test_fraction: float = 0.25) -> Workload:
+def mlp(hidden: int = 256, seed: int = 0, test_fraction: float = 0.25) -> Workload:
     """Two hidden ReLU layers on the flat 64-pixel vector."""
     check_positive(hidden=hidden)
     train, test = _splits(seed, test_fraction)
