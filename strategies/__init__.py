@@ -15,10 +15,12 @@ from .dad import DAD
 from .dsgd import DSGD
 from .edad import EDAD
 from .layout import CapturedLayer, Layout
+from .powersgd import PowerSGD
+from .rankdad import RankDAD
 from .step import Traffic, apply_update, exchange, reference_update, step_update, weights_fingerprint
 from .capture import local_step
 
-STRATEGIES: dict[str, type[Strategy]] = {"dsgd": DSGD, "dad": DAD, "auto": Auto, "edad": EDAD}
+STRATEGIES: dict[str, type[Strategy]] = {"dsgd": DSGD, "dad": DAD, "auto": Auto, "edad": EDAD, "rankdad": RankDAD, "powersgd": PowerSGD}
 
 
 def make_strategy(name: str, **options) -> Strategy:

@@ -1,0 +1,197 @@
+"""Structured power iteration: a rank-r factorisation of Dᵀ A without forming Dᵀ A.
+
+A captured layer's summed-loss weight gradient per group is G = Dᵀ A (m × k), with
+A (n × k) its input rows and D (n × m) its output deltas. Subspace (block power)
+iteration needs G only through the products
+
+    G Q  = Dᵀ (A Q)        n·k·r + n·m·r flops, never m·k memory
+    Gᵀ U = Aᵀ (D U)
+
+so a rank-r factorisation costs O(n·(k + m)·r) per pass instead of O(n·k·m) for G.
+One pass (``iterations`` counts them, at least 1):
+
+    U     = orth(Dᵀ (A Q))          (m × r), orthonormal range estimate
+    Q R   = qr(Aᵀ (D U))            (k × r) and (r × r); Uᵀ G = Rᵀ Qᵀ
+
+The last pass ends with a Rayleigh–Ritz step on the small r × r matrix:
+Rᵀ = Uᵣ Σ Vᵣᵀ gives G ≈ U Uᵀ G = (U Uᵣ Σ)(Q Vᵣ)ᵀ, so the result is
+
+    P = U Uᵣ Σ   (m × r, scaled: sum units of G),   Q = Q Vᵣ   (k × r, orthonormal)
+
+with components ordered by the singular-value estimates Σ. Exactly
+r' = min(r, m, k) components are returned — an m × k matrix has no more — never
+r' − 1. When r' ≥ rank(G) (for factors: rank(G) ≤ min(n, m, k)) the range is found
+in one pass and P Qᵀ reproduces G to fp32 rounding. With ``tol`` > 0, components
+with σ ≤ tol·σ_max (in every group) are dropped and ``rank`` says how many were kept.
+
+Everything is batched over the groups of a grouped convolution: A (G, n, k),
+D (G, n, m) -> P (G, m, r'), Q (G, k, r'), S (G, r').
+
+**Re-reduction.** A sum of rank-r products is itself a structured product:
+Σ_s P_s Q_sᵀ = Dᵀ A with D = [P_1 … P_S]ᵀ and A = [Q_1 … Q_S]ᵀ (S·r rows), so the
+server re-reduces the sites' factors to rank r with the same call (``reduce_sum``).
+
+**Randomness.** The random start comes from a seeded ``torch.Generator`` on the
+tensors' device (``make_generator``), so runs are reproducible on CPU and CUDA; a
+warm start (the previous step's Q) replaces it and usually needs fewer passes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+@dataclass
+class LowRank:
+    """G ≈ P Qᵀ per group: P (G, m, r) scaled, Q (G, k, r) orthonormal columns, S (G, r)."""
+
+    P: torch.Tensor
+    Q: torch.Tensor
+    S: torch.Tensor
+
+    @property
+    def rank(self) -> int:
+        """Components kept (columns of P and Q)."""
+        return self.P.shape[-1]
+
+    def dense(self) -> torch.Tensor:
+        """P Qᵀ (G, m, k) — for tests and diagnostics; the strategies never need it."""
+        return torch.bmm(self.P, self.Q.transpose(1, 2))
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator on ``device`` seeded with ``seed``: same seed, same random start."""
+    return torch.Generator(device=torch.device(device)).manual_seed(int(seed))
+
+
+def power_iteration(
+    A: torch.Tensor,
+    D: torch.Tensor,
+    rank: int,
+    *,
+    iterations: int = 2,
+    warm_start: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    tol: float = 0.0,
+) -> LowRank:
+    """Rank-``rank`` factors of Dᵀ A per group from A (G, n, k) and D (G, n, m).
+
+    ``warm_start`` (G, k, c): the Q of a previous call; missing columns (c < r') are
+    drawn at random, extra ones ignored. ``generator``: for the random start, on the
+    tensors' device (default: seed 0). ``tol``: relative threshold below which
+    components are dropped (0 keeps all r' = min(rank, m, k)). 2-D A (n, k) and D (n, m)
+    are one group; the results keep the group axis. Cost: ``iterations`` ×
+    2·G·n·(k + m)·r' flops plus QR/SVD of (m × r'), (k × r') and (r' × r') blocks.
+    """
+    if A.dim() == 2 and D.dim() == 2:  # one group
+        A, D = A.unsqueeze(0), D.unsqueeze(0)
+        if warm_start is not None and warm_start.dim() == 2:
+            warm_start = warm_start.unsqueeze(0)
+    if A.dim() != 3 or D.dim() != 3 or A.shape[:2] != D.shape[:2]:
+        raise ValueError(
+            f"power_iteration needs A (G, n, k) and D (G, n, m) with the same G and n; "
+            f"got A {tuple(A.shape)} and D {tuple(D.shape)}"
+        )
+    if rank < 1:
+        raise ValueError(f"power_iteration: rank must be at least 1, got {rank}")
+    if iterations < 1:
+        raise ValueError(f"power_iteration: iterations must be at least 1, got {iterations}")
+    if tol < 0:
+        raise ValueError(f"power_iteration: tol must be >= 0, got {tol}")
+    dtype = A.dtype
+    if dtype in LOW_PRECISION:  # QR and SVD need single precision at least
+        A, D = A.float(), D.float()
+    groups, _, k = A.shape
+    m = D.shape[2]
+    r = min(rank, m, k)
+
+    Q = _start(A, groups, k, r, warm_start, generator)
+    Dt, At = D.transpose(1, 2), A.transpose(1, 2)
+    for _ in range(iterations):
+        U, _ = torch.linalg.qr(torch.bmm(Dt, torch.bmm(A, Q)))  # (G, m, r)
+        Q, R = torch.linalg.qr(torch.bmm(At, torch.bmm(D, U)))  # (G, k, r), (G, r, r)
+    # Rayleigh–Ritz: Uᵀ G = Rᵀ Qᵀ; the SVD of the small Rᵀ orders the components.
+    Ur, S, Vh = torch.linalg.svd(R.transpose(1, 2))
+    P = torch.bmm(U, Ur) * S.unsqueeze(1)
+    Q = torch.bmm(Q, Vh.transpose(1, 2))
+
+    if tol > 0:
+        keep = kept_components(S, tol)
+        P, Q, S = P[..., :keep], Q[..., :keep], S[..., :keep]
+    return LowRank(P.to(dtype), Q.to(dtype), S.to(dtype))
+
+
+def kept_components(S: torch.Tensor, tol: float) -> int:
+    """Components with σ > tol·σ_max in some group (S sorted descending); at least 1."""
+    top = S[..., :1]
+    count = int((S > tol * top).sum(dim=-1).max()) if S.numel() else 0
+    return max(1, count)
+
+
+def reduce_sum(
+    Ps: Sequence[torch.Tensor],
+    Qs: Sequence[torch.Tensor],
+    rank: int,
+    *,
+    iterations: int = 2,
+    warm_start: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    tol: float = 0.0,
+) -> LowRank:
+    """Rank-``rank`` factors of Σ_s P_s Q_sᵀ (each (G, m, r_s), (G, k, r_s)).
+
+    The sum is Dᵀ A with D = [P_1 … P_S]ᵀ, A = [Q_1 … Q_S]ᵀ: the same structured
+    power iteration, on S·r rows.
+    """
+    D = torch.cat(list(Ps), dim=2).transpose(1, 2)
+    A = torch.cat(list(Qs), dim=2).transpose(1, 2)
+    return power_iteration(A, D, rank, iterations=iterations, warm_start=warm_start, generator=generator, tol=tol)
+
+
+def factor_singular_values(P: torch.Tensor, Q: torch.Tensor) -> torch.Tensor:
+    """Singular values of P Qᵀ per group (G, min(r, m, k)), from the factors only.
+
+    P = Qp Rp and Q = Qq Rq (thin QR) give P Qᵀ = Qp (Rp Rqᵀ) Qqᵀ, so the singular
+    values are those of the r × r matrix Rp Rqᵀ; the m × k product is never formed.
+    """
+    if P.dim() == 2:
+        P, Q = P.unsqueeze(0), Q.unsqueeze(0)
+    if P.dtype in LOW_PRECISION:
+        P, Q = P.float(), Q.float()
+    Rp = torch.linalg.qr(P, mode="r").R
+    Rq = torch.linalg.qr(Q, mode="r").R
+    return torch.linalg.svdvals(torch.bmm(Rp, Rq.transpose(1, 2)))
+
+
+def effective_rank(P: torch.Tensor, Q: torch.Tensor, rtol: float = 1e-3) -> int:
+    """Components of P Qᵀ with σ > rtol·σ_max, summed over groups (the rank of the
+    block-diagonal map a grouped layer applies)."""
+    S = factor_singular_values(P, Q)
+    top = S.max(dim=-1, keepdim=True).values
+    return int(((S > rtol * top) & (top > 0)).sum())
+
+
+def _start(
+    A: torch.Tensor, groups: int, k: int, r: int, warm_start: torch.Tensor | None, generator: torch.Generator | None
+) -> torch.Tensor:
+    """Initial Q (G, k, r): the warm start, completed with random columns if short."""
+    have = 0
+    if warm_start is not None:
+        if warm_start.dim() != 3 or warm_start.shape[0] != groups or warm_start.shape[1] != k:
+            raise ValueError(
+                f"power_iteration: warm_start must be ({groups}, {k}, r); got {tuple(warm_start.shape)}"
+            )
+        have = min(r, warm_start.shape[2])
+        if have == r:
+            return warm_start[..., :r].to(device=A.device, dtype=A.dtype)
+    if generator is None:
+        generator = make_generator(0, A.device)
+    fresh = torch.randn((groups, k, r - have), generator=generator, device=A.device, dtype=A.dtype)
+    if have == 0:
+        return fresh
+    return torch.cat([warm_start[..., :have].to(device=A.device, dtype=A.dtype), fresh], dim=2)

@@ -1,0 +1,307 @@
+"""PowerSGD (Vogels, Karimireddy and Jaggi, NeurIPS 2019), as PyTorch's ``powerSGD_hook`` does it.
+
+Each trainable tensor with more than one dimension is viewed as a matrix
+M (n × m) = grad.reshape(shape[0], -1) and compressed if it pays,
+r·(n + m)·min_compression_rate < n·m with r = min(rank, n, m); 1-D tensors (biases,
+norms), tensors that do not pay, and buffers travel dense. One step, two phases:
+
+    phase 0  site s:   M_s = (summed-loss gradient)/n_s + e_s     (error feedback)
+                       P_s = M_s Q                                 (n × r)  up
+             server:   P̂ = orth(Σ_s (n_s/N) P_s)                  (n × r)  down
+    phase 1  site s:   Q_s = M_sᵀ P̂                               (m × r)  up
+             server:   Q = Σ_s (n_s/N) Q_s                         (m × r)  down
+    every replica:     update = P̂ Qᵀ   (``decode``, one shared function)
+    site s:            e_s ← M_s − P̂ Qᵀ (local M minus the *global* approximation)
+
+Q starts identical on every site: from ``seed`` exactly as the hook does it (a
+``numpy.random.RandomState(seed)`` draws a torch seed, then one ``randn`` per
+compressed matrix), then orthogonalised. With ``warm_start`` the next step starts from
+the aggregated Q (identical everywhere), re-orthogonalised; without it every step
+draws a fresh Q. Orthogonalisation is the hook's: Gram–Schmidt for r ≤ 2 (``epsilon``
+added to each column norm), Householder QR otherwise; a column that is exactly zero
+stays zero instead of becoming NaN.
+
+Steps with ``step < start_iter`` (the ``step`` given to ``begin``; a rebuilt half
+keeps following the coordinator's step numbers) send every gradient dense in one
+phase, like the hook's ``start_powerSGD_iter`` — the error memory starts at zero on
+the first compressed step.
+
+Alignment with ``powerSGD_hook`` (``batch_tensors_with_same_shape=False``): the hook
+compresses per DDP bucket and draws the random Q in bucket order, tensors grouped by
+matrix shape (first-appearance order of each shape). Here the whole model is one
+bucket in reverse parameter order — DDP's order for a model whose gradients become
+ready in reverse (any feed-forward model) and that fits in one bucket (≤ 1 MiB);
+within it, the same grouping by shape. With equal site batch sizes the two then
+agree to fp32 rounding (``tests/test_powersgd.py`` runs the hook). Two deliberate
+differences: sites are weighted n_s/N (the hook averages ranks; equal for equal
+batches), and dense tensors carry no error memory — in the hook their error
+e_s = M_s − mean(M) sums to zero over sites, so the mean it sends is unchanged.
+
+Cost per compressed matrix (floats, r = min(rank, n, m)), two round trips per step:
+    up   = r·(n + m)   per site (r·n in phase 0, r·m in phase 1)
+    down = r·(n + m)   (P̂, then Q)
+Dense tensors: numel both ways, in phase 0. Warm-up steps: dSGD's cost, one phase.
+
+Reveals: to the server, each site's projections M_s Q and M_sᵀ P̂ of its gradient
+(plus error memory): a rank-r view of its gradient and everything dense (biases)
+exactly. Sites see P̂ and the aggregated Q, i.e. the rank-r mean update. Not exact
+for r < rank(M): the error memory carries what was left out into later steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .base import (
+    BUFFER_ROLE,
+    GRAD_ROLE,
+    LocalResult,
+    Payload,
+    Strategy,
+    dense_aggregate,
+    dense_upload,
+    split_key,
+    sum_in_order,
+    tensor_key,
+)
+from .layout import Layout
+
+SEED_RANGE = 1_000_000_000  # the hook draws torch seeds with RandomState.randint(1_000_000_000)
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """One compressed parameter viewed as an n × m matrix, approximated at rank r."""
+
+    name: str
+    shape: tuple[int, ...]
+    n: int
+    m: int
+    r: int
+
+    @property
+    def p_key(self) -> str:
+        return tensor_key(self.name, "P")
+
+    @property
+    def q_key(self) -> str:
+        return tensor_key(self.name, "Q")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Which parameters are compressed (in Q-initialisation order) and which go dense."""
+
+    matrices: tuple[Matrix, ...]
+    dense: tuple[str, ...]  # model order
+
+
+def plan(layout: Layout, rank: int, min_compression_rate: float) -> Plan:
+    """The hook's choice per tensor, and its order for drawing the random Q."""
+    matrices, dense = [], []
+    for name, shape in zip(layout.params, layout.shapes):
+        if len(shape) > 1:
+            n = shape[0]
+            m = int(np.prod(shape[1:]))
+            r = min(rank, n, m)
+            if r * (n + m) * min_compression_rate < n * m:
+                matrices.append(Matrix(name, tuple(shape), n, m, r))
+                continue
+        dense.append(name)
+    # One DDP bucket: reverse parameter order, grouped by matrix shape (first appearance).
+    by_shape: dict[tuple[int, int], list[Matrix]] = {}
+    for matrix in reversed(matrices):
+        by_shape.setdefault((matrix.n, matrix.m), []).append(matrix)
+    ordered = tuple(matrix for group in by_shape.values() for matrix in group)
+    return Plan(ordered, tuple(dense))
+
+
+def orthogonalize(matrix: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
+    """Orthonormal columns, as the hook computes them: Gram–Schmidt for ≤ 2 columns or
+    half precision (``epsilon`` added to each norm), Householder QR otherwise.
+
+    Works on (n, r) or batched (B, n, r) with r ≤ n; returns a new tensor.
+    """
+    out = matrix.clone()
+    batched = out if out.dim() == 3 else out.unsqueeze(0)
+    columns = batched.shape[2]
+    if columns <= 2 or out.dtype in (torch.float16, torch.bfloat16):
+        for i in range(columns):
+            col = batched[:, :, i : i + 1]
+            norm = torch.linalg.vector_norm(col, dim=1, keepdim=True)
+            if epsilon == 0:
+                # The hook divides by zero here (NaN); an all-zero column stays zero.
+                norm = torch.where(norm == 0, torch.ones_like(norm), norm)
+                col /= norm
+            else:
+                col /= norm + epsilon
+            if i + 1 < columns:
+                rest = batched[:, :, i + 1 :]
+                rest -= torch.sum(col * rest, dim=1, keepdim=True) * col
+        return out
+    return torch.linalg.qr(matrix).Q
+
+
+def low_rank_update(p_hat: torch.Tensor, q: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """P̂ Qᵀ in the parameter's shape: the one function every replica decodes with."""
+    return (p_hat @ q.transpose(-2, -1)).reshape(tuple(shape))
+
+
+def decode_powersgd(plan_: Plan, messages: Sequence[Payload]) -> dict[str, torch.Tensor]:
+    """The update of one step: dense means of phase 0, P̂ (phase 0) times Qᵀ (phase 1)."""
+    update: dict[str, torch.Tensor] = {}
+    for key, tensor in messages[0].tensors.items():
+        name, role = split_key(key)
+        if role == GRAD_ROLE:
+            update[name] = tensor
+        elif role == BUFFER_ROLE:
+            update[key] = tensor
+    if len(messages) > 1:
+        for matrix in plan_.matrices:
+            update[matrix.name] = low_rank_update(
+                messages[0].tensors[matrix.p_key], messages[1].tensors[matrix.q_key], matrix.shape
+            )
+    return update
+
+
+class _QSource:
+    """The hook's random Q: a RandomState(seed) draws one torch seed per initialisation."""
+
+    def __init__(self, seed: int):
+        self.rng = np.random.RandomState(seed)
+
+    def draw(self, plan_: Plan, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(int(self.rng.randint(SEED_RANGE)))
+        return {
+            matrix.name: torch.randn((matrix.m, matrix.r), generator=generator, dtype=dtype)
+            for matrix in plan_.matrices
+        }
+
+
+class PowerSGDSite:
+    """Site half: M_s Q up, P̂ down; M_sᵀ P̂ up, Q down; error memory and warm start."""
+
+    def __init__(self, layout: Layout, strategy: "PowerSGD"):
+        self.layout = layout
+        self.options = strategy
+        self.plan = plan(layout, strategy.rank, strategy.min_compression_rate)
+        self.q_source = _QSource(strategy.seed)
+        self.errors: dict[str, torch.Tensor] = {}
+        self.q_memory: dict[str, torch.Tensor] = {}
+        self.M: dict[str, torch.Tensor] = {}
+        self.p_hat: dict[str, torch.Tensor] = {}
+        self.num_samples = 0
+        self.step = -1
+
+    def begin(self, local: LocalResult, step: int) -> Payload:
+        self.step, self.num_samples = step, local.num_samples
+        if not self.options.compresses(step):
+            tensors = dense_upload(local, self.layout.params, self.layout.buffers)
+            return Payload(step, 0, local.num_samples, tensors)
+        tensors = dense_upload(local, self.plan.dense, self.layout.buffers)
+        qs = self._start_q(local)
+        self.M = {}
+        for matrix in self.plan.matrices:
+            grad = local.grads[matrix.name]
+            M = grad.reshape(matrix.n, matrix.m) / local.num_samples
+            if self.options.use_error_feedback and matrix.name in self.errors:
+                M = M + self.errors[matrix.name]
+            self.M[matrix.name] = M
+            tensors[matrix.p_key] = M @ qs[matrix.name]
+        return Payload(step, 0, local.num_samples, tensors)
+
+    def _start_q(self, local: LocalResult) -> dict[str, torch.Tensor]:
+        eps = self.options.orthogonalization_epsilon
+        if self.options.warm_start and self.q_memory:
+            return {name: orthogonalize(q, eps) for name, q in self.q_memory.items()}
+        dtype = next(iter(local.grads.values())).dtype if local.grads else torch.float32
+        device = local.grads[self.plan.matrices[0].name].device if self.plan.matrices else torch.device("cpu")
+        # Drawn on the CPU (as the hook does) so every device gets the same numbers.
+        fresh = self.q_source.draw(self.plan, dtype)
+        return {name: orthogonalize(q.to(device), eps) for name, q in fresh.items()}
+
+    def receive(self, message: Payload) -> Payload | None:
+        if not self.options.compresses(self.step):
+            return None
+        if message.phase == 0:
+            self.p_hat = {m.name: message.tensors[m.p_key] for m in self.plan.matrices}
+            tensors = {m.q_key: self.M[m.name].transpose(0, 1) @ self.p_hat[m.name] for m in self.plan.matrices}
+            return Payload(self.step, 1, self.num_samples, tensors)
+        for matrix in self.plan.matrices:
+            q = message.tensors[matrix.q_key]
+            if self.options.use_error_feedback:
+                approx = low_rank_update(self.p_hat[matrix.name], q, (matrix.n, matrix.m))
+                self.errors[matrix.name] = self.M[matrix.name] - approx
+            if self.options.warm_start:
+                self.q_memory[matrix.name] = q
+        self.M, self.p_hat = {}, {}
+        return None
+
+
+class PowerSGDServer:
+    """Server half: P̂ = orth(Σ (n_s/N) P_s) with the dense means; then Q = Σ (n_s/N) Q_s."""
+
+    def __init__(self, layout: Layout, strategy: "PowerSGD"):
+        self.layout = layout
+        self.options = strategy
+        self.plan = plan(layout, strategy.rank, strategy.min_compression_rate)
+
+    def aggregate(self, payloads: Sequence[Payload]) -> Payload:
+        first = payloads[0]
+        total = sum(p.num_samples for p in payloads)
+        if not self.options.compresses(first.step):
+            tensors = dense_aggregate(payloads, self.layout.params, self.layout.buffers)
+        elif first.phase == 0:
+            tensors = dense_aggregate(payloads, self.plan.dense, self.layout.buffers)
+            for matrix in self.plan.matrices:
+                P = self._weighted_mean(payloads, matrix.p_key, total)
+                tensors[matrix.p_key] = orthogonalize(P, self.options.orthogonalization_epsilon)
+        else:
+            tensors = {m.q_key: self._weighted_mean(payloads, m.q_key, total) for m in self.plan.matrices}
+        return Payload(first.step, first.phase, total, tensors)
+
+    @staticmethod
+    def _weighted_mean(payloads: Sequence[Payload], key: str, total: int) -> torch.Tensor:
+        return sum_in_order([p.tensors[key] * (p.num_samples / total) for p in payloads])
+
+
+@dataclass(frozen=True)
+class PowerSGD(Strategy):
+    """Rank-r PowerSGD with error feedback and warm start; exact only at full rank without EF."""
+
+    rank: int = 1
+    start_iter: int = 10
+    min_compression_rate: float = 2.0
+    use_error_feedback: bool = True
+    warm_start: bool = True
+    orthogonalization_epsilon: float = 0.0
+    seed: int = 0
+    name = "powersgd"
+    needs_factors = False
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"powersgd: rank={self.rank} must be at least 1")
+        if self.start_iter < 0:
+            raise ValueError(f"powersgd: start_iter={self.start_iter} must be >= 0")
+        if self.min_compression_rate < 0:
+            raise ValueError(f"powersgd: min_compression_rate={self.min_compression_rate} must be >= 0")
+        if self.orthogonalization_epsilon < 0:
+            raise ValueError(f"powersgd: orthogonalization_epsilon={self.orthogonalization_epsilon} must be >= 0")
+
+    def compresses(self, step: int) -> bool:
+        """Whether ``step`` is compressed (two phases) or a dense warm-up step (one)."""
+        return step >= self.start_iter
+
+    def site(self, layout: Layout, model=None) -> PowerSGDSite:
+        return PowerSGDSite(layout, self)
+
+    def server(self, layout: Layout, model=None) -> PowerSGDServer:
+        return PowerSGDServer(layout, self)
+
+    def decode(self, layout: Layout, messages: Sequence[Payload], model=None) -> dict[str, torch.Tensor]:
+        return decode_powersgd(plan(layout, self.rank, self.min_compression_rate), messages)

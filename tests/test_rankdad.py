@@ -1,0 +1,229 @@
+"""rank-dAD: exact at full rank, converging as r grows, exact bias, exact byte counts, privacy."""
+
+import pytest
+import torch
+
+from dadfl.strategies import Layout, apply_update, local_step, make_strategy, reference_update, step_update
+from dadfl.strategies.rankdad import RankDAD
+from dadfl.strategies.step import exchange
+
+from model_zoo import build, per_sample_cross_entropy, site_batches
+
+FLOAT = 4
+SIZES = (5, 1, 3)  # unequal, with a single-sample site
+
+
+def relative_errors(update, reference):
+    floor = 1e-3 * torch.sqrt(sum(ref.norm() ** 2 for ref in reference.values()))
+    return {name: float((update[name] - ref).norm() / torch.maximum(ref.norm(), floor)) for name, ref in reference.items()}
+
+
+def weights_error(update, reference):
+    """‖u − r‖/‖r‖ over every weight at once."""
+    keys = [k for k in reference if k.endswith("weight")]
+    diff = sum(float((update[k] - reference[k]).norm() ** 2) for k in keys)
+    return (diff / sum(float(reference[k].norm() ** 2) for k in keys)) ** 0.5
+
+
+def run_exchange(strategy, kind="mlp", sizes=SIZES):
+    model = build(kind)
+    batches = site_batches(kind, sizes=sizes)
+    layout = Layout.from_model(model, batches[0][0])
+    locals_ = [local_step(model, layout, per_sample_cross_entropy, x, y) for x, y in batches]
+    sites = [strategy.site(layout, model) for _ in batches]
+    messages, traffic = exchange(sites, strategy.server(layout, model), locals_, step=0)
+    return layout, messages, traffic
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+@pytest.mark.parametrize(
+    "options", [{}, {"raw_input": "low_rank"}, {"raw_input": "low_rank", "reduce_on_server": True}]
+)
+def test_full_rank_matches_reference(kind, options):
+    model = build(kind)
+    batches = site_batches(kind, sizes=SIZES)
+    reference = reference_update(model, per_sample_cross_entropy, batches)
+    update = step_update(make_strategy("rankdad", rank=64, **options), model, per_sample_cross_entropy, batches)
+    assert set(reference) <= set(update)
+    errors = relative_errors(update, reference)
+    assert max(errors.values()) <= 1e-4, errors
+
+
+@pytest.mark.parametrize("kind,sizes", [("mlp", (20, 1, 12)), ("cnn", SIZES)])
+@pytest.mark.parametrize("reduce_on_server", [False, True])
+def test_error_falls_as_rank_grows(kind, sizes, reduce_on_server):
+    model = build(kind)
+    batches = site_batches(kind, sizes=sizes)
+    reference = reference_update(model, per_sample_cross_entropy, batches)
+    errors = []
+    for rank in (1, 2, 4, 8, 16):
+        strategy = make_strategy("rankdad", rank=rank, raw_input="low_rank", reduce_on_server=reduce_on_server)
+        errors.append(weights_error(step_update(strategy, model, per_sample_cross_entropy, batches), reference))
+    # Strictly smaller at each step until exact (fp32 rounding), then it stays exact.
+    assert all(a > b or a <= 1e-5 >= b for a, b in zip(errors, errors[1:])), errors
+    assert errors[0] > 0.3 and errors[2] > 1e-2, "ranks 1 to 4 must not be exact on these layers"
+    assert errors[-1] <= 1e-5, errors
+
+
+@pytest.mark.parametrize("rank", [1, 3])
+def test_bias_is_exact_at_any_rank(rank):
+    model = build("cnn")
+    batches = site_batches("cnn", sizes=SIZES)
+    reference = reference_update(model, per_sample_cross_entropy, batches)
+    for reduce_on_server in (False, True):
+        strategy = make_strategy("rankdad", rank=rank, raw_input="low_rank", reduce_on_server=reduce_on_server)
+        update = step_update(strategy, model, per_sample_cross_entropy, batches)
+        for name in ("conv1.bias", "conv2.bias", "head.bias"):
+            assert float((update[name] - reference[name]).norm() / reference[name].norm()) <= 1e-5, name
+        assert weights_error(update, reference) > 1e-2, "the weights are approximated at this rank"
+
+
+def low_rank_floats(layer, rank):
+    r = min(rank, layer.out_per_group, layer.in_per_group)
+    return layer.groups * r * (layer.in_per_group + layer.out_per_group)
+
+
+def bias_floats(layer):
+    return layer.out_features if layer.bias else 0
+
+
+def test_bytes_match_formula_mlp_by_hand():
+    """MLP 12-16-16-5, r = 4, first layer dense (raw input), three sites."""
+    layout, messages, traffic = run_exchange(make_strategy("rankdad", rank=4))
+    per_site = (16 * 12 + 16) + (4 * (16 + 16) + 16) + (4 * (16 + 5) + 5)
+    assert traffic.up == [[FLOAT * per_site] * 3]
+    down = (16 * 12 + 16) + (3 * 4 * (16 + 16) + 16) + (3 * 4 * (16 + 5) + 5)
+    assert traffic.down == [FLOAT * down]
+    _, _, reduced = run_exchange(make_strategy("rankdad", rank=4, reduce_on_server=True))
+    assert reduced.down == [FLOAT * per_site]
+
+
+@pytest.mark.parametrize("reduce_on_server", [False, True])
+@pytest.mark.parametrize("rank", [1, 2, 5])
+def test_bytes_match_formula_cnn(rank, reduce_on_server):
+    sites = len(SIZES)
+    strategy = make_strategy("rankdad", rank=rank, raw_input="low_rank", reduce_on_server=reduce_on_server)
+    layout, messages, traffic = run_exchange(strategy, kind="cnn")
+    assert {l.module: l.groups for l in layout.layers}["conv2"] == 4
+    dense = sum(int(torch.tensor(layout.shape(n)).prod()) for n in layout.uncovered)
+    up = dense + sum(low_rank_floats(l, rank) + bias_floats(l) for l in layout.layers)
+    assert traffic.up == [[FLOAT * up] * sites]
+    down_factor = 1 if reduce_on_server else sites
+    down = dense + sum(down_factor * low_rank_floats(l, rank) + bias_floats(l) for l in layout.layers)
+    assert traffic.down == [FLOAT * down]
+    for layer in layout.layers:
+        P = messages[0].tensors[f"{layer.module}:P"]
+        assert P.shape == (layer.groups, layer.out_per_group, down_factor * min(rank, layer.out_per_group, layer.in_per_group))
+
+
+def test_tol_sends_only_the_components_a_site_has():
+    """With tol, each site sends as many components as its gradient has (rank(Δ_sᵀA_s) ≤ n_s:
+    one for the 1-sample site), fewer bytes, and the update stays exact."""
+    strategy = make_strategy("rankdad", rank=8, raw_input="low_rank", tol=1e-4)
+    model = build("mlp")
+    batches = site_batches("mlp", sizes=SIZES)
+    layout = Layout.from_model(model, batches[0][0])
+    for n, (x, y) in zip(SIZES, batches):
+        local = local_step(model, layout, per_sample_cross_entropy, x, y)
+        payload = strategy.site(layout, model).begin(local, 0)
+        full = make_strategy("rankdad", rank=8, raw_input="low_rank").site(layout, model).begin(local, 0)
+        saved = 0
+        for layer in layout.layers:
+            sv = torch.linalg.svdvals(local.grads[layer.weight].reshape(layer.out_per_group, -1))
+            true_rank = int((sv > 1e-4 * sv[0]).sum())
+            assert true_rank <= n
+            sent = payload.tensors[f"{layer.module}:P"].shape[-1]
+            assert sent == payload.tensors[f"{layer.module}:Q"].shape[-1] == true_rank, (n, layer.module)
+            saved += (min(8, layer.out_per_group, layer.in_per_group) - sent) * (layer.in_per_group + layer.out_per_group)
+        assert full.nbytes() - payload.nbytes() == FLOAT * saved > 0
+    reference = reference_update(model, per_sample_cross_entropy, batches)
+    update = step_update(strategy, model, per_sample_cross_entropy, batches)
+    assert max(relative_errors(update, reference).values()) <= 1e-4
+
+
+def test_reduce_on_server_sends_rank_r_down():
+    rank = 3
+    layout, messages, _ = run_exchange(make_strategy("rankdad", rank=rank, reduce_on_server=True), sizes=(6, 4, 5))
+    _, concatenated, _ = run_exchange(make_strategy("rankdad", rank=rank), sizes=(6, 4, 5))
+    for layer in layout.layers[1:]:
+        assert messages[0].tensors[f"{layer.module}:P"].shape[-1] == rank
+        assert messages[0].tensors[f"{layer.module}:Q"].shape[-1] == rank
+        assert concatenated[0].tensors[f"{layer.module}:P"].shape[-1] == 3 * rank
+
+
+def test_raw_input_layer_sends_no_factors_by_default():
+    model = build("mlp")
+    batches = site_batches("mlp", sizes=(4, 4))
+    layout = Layout.from_model(model, batches[0][0])
+    first = layout.layers[0]
+    assert first.raw_input
+    local = local_step(model, layout, per_sample_cross_entropy, *batches[0])
+    payload = make_strategy("rankdad").site(layout, model).begin(local, 0)
+    assert not any(key.startswith(f"{first.module}:") for key in payload.tensors), "no P, Q, A or D of the raw input"
+    assert torch.equal(payload.tensors[f"{first.weight}:grad"], local.grads[first.weight])
+    allowed = make_strategy("rankdad", raw_input="low_rank").site(layout, model).begin(local, 0)
+    assert f"{first.module}:P" in allowed.tensors and f"{first.module}:A" not in allowed.tensors
+    assert not any(key.endswith((":A", ":D")) for key in allowed.tensors)
+
+
+def train(strategy, kind="mlp", steps=4, sizes=SIZES):
+    """Persistent halves over several steps with SGD; yields (reference, update, sites)."""
+    model = build(kind)
+    batches = site_batches(kind, sizes=sizes)
+    layout = Layout.from_model(model, batches[0][0])
+    sites = [strategy.site(layout, model) for _ in sizes]
+    server = strategy.server(layout, model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for step in range(steps):
+        batches = site_batches(kind, sizes=sizes, seed=step)
+        reference = reference_update(model, per_sample_cross_entropy, batches)
+        locals_ = [local_step(model, layout, per_sample_cross_entropy, x, y) for x, y in batches]
+        messages, _ = exchange(sites, server, locals_, step)
+        update = strategy.decode(layout, messages, model)
+        yield reference, update, sites, server
+        apply_update(model, optimizer, update)
+
+
+@pytest.mark.parametrize("reduce_on_server", [False, True])
+def test_warm_start_stays_exact_at_full_rank(reduce_on_server):
+    strategy = RankDAD(rank=16, raw_input="low_rank", reduce_on_server=reduce_on_server, warm_start=True)
+    for step, (reference, update, sites, server) in enumerate(train(strategy, kind="cnn")):
+        errors = relative_errors(update, reference)
+        assert max(errors.values()) <= 1e-4, (step, errors)
+    assert all(site.memory for site in sites), "warm start keeps each layer's Q"
+
+
+def test_warm_start_is_used_at_low_rank():
+    def errors(warm):
+        strategy = RankDAD(rank=2, raw_input="low_rank", warm_start=warm)
+        return [weights_error(u, r) for r, u, _, _ in train(strategy, sizes=(20, 1, 12), steps=3)]
+
+    warm, cold = errors(True), errors(False)
+    assert warm[0] == cold[0], "the first step has nothing to start from"
+    assert warm[1:] != cold[1:]
+
+
+def test_describe_reports_effective_rank_of_the_update():
+    model = build("mlp")
+    batches = site_batches("mlp", sizes=(2, 1, 1))
+    layout = Layout.from_model(model, batches[0][0])
+    reference = reference_update(model, per_sample_cross_entropy, batches)
+    locals_ = [local_step(model, layout, per_sample_cross_entropy, x, y) for x, y in batches]
+    strategy = make_strategy("rankdad", rank=8, raw_input="low_rank")
+    messages, _ = exchange([strategy.site(layout, model) for _ in batches], strategy.server(layout, model), locals_, 0)
+    ranks = strategy.describe(layout, messages)
+    assert set(ranks) == {f"rank/{layer.module}" for layer in layout.layers}
+    for layer in layout.layers:
+        sv = torch.linalg.svdvals(reference[layer.weight])
+        # At most 4: four samples in all; the decoded sum has the rank of the true gradient.
+        assert ranks[f"rank/{layer.module}"] == int((sv > 1e-3 * sv[0]).sum()) <= 4
+    low = make_strategy("rankdad", rank=1, raw_input="low_rank", reduce_on_server=True)
+    messages, _ = exchange([low.site(layout, model) for _ in batches], low.server(layout, model), locals_, 0)
+    assert set(low.describe(layout, messages).values()) == {1.0}
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="rank"):
+        make_strategy("rankdad", rank=0)
+    with pytest.raises(ValueError, match="raw_input"):
+        make_strategy("rankdad", raw_input="everything")
