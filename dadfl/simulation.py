@@ -73,6 +73,7 @@ class SimulationConfig(StrictModel):
     eval_every: int = Field(50, ge=1)
     seed: int = 0
     device: str = "auto"
+    threads: int = Field(1, ge=1, description="torch CPU threads; sites run one after another, and small models run fastest on one")
     optimizer: OptimizerConfig = OptimizerConfig(name="sgd", lr=0.1, momentum=0.9)
     strategies: list[StrategySpec] = Field(
         default_factory=lambda: [
@@ -104,6 +105,7 @@ def simulate(
     config: SimulationConfig, spec: StrategySpec, metrics: MetricsWriter, progress: Progress | None = None
 ) -> dict[str, Any]:
     """Train one strategy for ``config.steps`` steps; write one record per step; return a summary."""
+    torch.set_num_threads(config.threads)
     device = resolve_device(config.device)
     workload = load_workload(config.workload, **config.workload_options)
     strategy = make_strategy(spec.name, **spec.options)
