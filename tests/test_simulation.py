@@ -68,3 +68,18 @@ def test_sim_command_rejects_bad_input_with_a_clear_message(tmp_path):
         capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 2 and "use 'dad' or 'auto'" in result.stdout
+
+
+def test_example_simulation_config_runs(tmp_path):
+    """The shipped configs/simulation.toml is valid and trains (two steps here)."""
+    from pathlib import Path
+
+    config = Path(__file__).parent.parent / "configs" / "simulation.toml"
+    result = subprocess.run(
+        [sys.executable, "-m", "dadfl.cli", "sim", "--config", str(config), "--steps", "2", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    (run_dir,) = tmp_path.iterdir()
+    labels = {record["strategy"] for record in read_metrics(run_dir / "metrics.jsonl")}
+    assert len(labels) == 4 and any(label.startswith("rankdad") for label in labels)
