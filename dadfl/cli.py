@@ -11,10 +11,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from dadfl.client import cli as client_cli
+from dadfl.server import cli as server_cli
+
 from .config import ConfigError, load_config, validate_config
 from .metrics import MetricsWriter
 from .report import human_bytes, write_plots
 from .simulation import SimulationConfig, StrategySpec, run_directory, simulate
+from dadfl.server.processes import simulate_processes
 
 app = typer.Typer(help="Federated learning that shares auto-differentiation factors.", no_args_is_help=True)
 console = Console()
@@ -43,7 +47,9 @@ def sim(
     lr: Optional[float] = typer.Option(None, help="learning rate"),
     seed: Optional[int] = typer.Option(None, help="seed for data split, batches and model"),
     device: Optional[str] = typer.Option(None, help="auto, cpu or cuda"),
+    threads: Optional[int] = typer.Option(None, help="torch CPU threads (default 1)"),
     out: Path = typer.Option(Path("runs"), help="folder for run directories"),
+    mode: str = typer.Option("inprocess", help="inprocess (one process), processes (a coordinator and N site processes over loopback gRPC) or flower (a Flower ServerApp/ClientApp simulation)"),
 ) -> None:
     """Simulate a federation in one process and compare strategies."""
     try:
@@ -51,7 +57,7 @@ def sim(
         explicit = strategies is not None or (config is not None and "strategies" in _toml_keys(config))
         overrides = {
             "workload": workload, "sites": sites, "steps": steps, "batch_size": batch_size,
-            "partition": partition, "alpha": alpha, "seed": seed, "device": device,
+            "partition": partition, "alpha": alpha, "seed": seed, "device": device, "threads": threads,
         }
         base.update({k: v for k, v in overrides.items() if v is not None})
         if lr is not None:
@@ -63,19 +69,22 @@ def sim(
         fail(str(exc))
         return
 
+    runners = {"inprocess": simulate, "processes": simulate_processes}
+    if mode not in runners:
+        fail(f"--mode {mode!r} is not one of {', '.join(runners)}")
     specs = _applicable(settings, explicit)
     run_dir = run_directory(out)
     (run_dir / "config.json").write_text(json.dumps(settings.model_dump(), indent=2))
     console.print(
         f"[bold]dadfl sim[/bold]: {settings.workload}, {settings.sites} sites ({settings.partition}), "
-        f"{settings.batch_size} samples per site per step, {settings.steps} steps -> {run_dir}"
+        f"{settings.batch_size} samples per site per step, {settings.steps} steps, {mode} -> {run_dir}"
     )
     summaries = []
     columns = (TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with MetricsWriter(run_dir / "metrics.jsonl") as metrics, Progress(*columns, console=console) as bar:
         for spec in specs:
             task = bar.add_task(spec.display, total=settings.steps)
-            summaries.append(simulate(settings, spec, metrics, lambda _: bar.advance(task)))
+            summaries.append(runners[mode](settings, spec, metrics, lambda _: bar.advance(task)))
     (run_dir / "summary.json").write_text(json.dumps(summaries, indent=2))
     plots = write_plots(run_dir)
     console.print(summary_table(summaries))
@@ -113,7 +122,10 @@ def summary_table(summaries: list[dict]) -> Table:
     metric = summaries[0]["metric_name"] if summaries else "metric"
     table = Table(title="bytes per step, all sites together")
     for column in ("strategy", metric, "test loss", "up", "down", "ms/step"):
-        table.add_column(column, justify="left" if column == "strategy" else "right")
+        if column == "strategy":
+            table.add_column(column, overflow="fold")
+        else:
+            table.add_column(column, justify="right", no_wrap=True)
     for s in summaries:
         table.add_row(
             s["strategy"],
@@ -124,6 +136,12 @@ def summary_table(summaries: list[dict]) -> Table:
             f"{s['seconds_per_step'] * 1000:.1f}",
         )
     return table
+
+
+app.command("server")(server_cli.server)
+app.command("enroll")(server_cli.enroll)
+app.command("certs")(server_cli.certs)
+app.command("site")(client_cli.site)
 
 
 if __name__ == "__main__":

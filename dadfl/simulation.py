@@ -105,7 +105,15 @@ def simulate(
     config: SimulationConfig, spec: StrategySpec, metrics: MetricsWriter, progress: Progress | None = None
 ) -> dict[str, Any]:
     """Train one strategy for ``config.steps`` steps; write one record per step; return a summary."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(config.threads)
+    try:
+        return _simulate(config, spec, metrics, progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _simulate(config: SimulationConfig, spec: StrategySpec, metrics: MetricsWriter, progress: Progress | None) -> dict[str, Any]:
     device = resolve_device(config.device)
     workload = load_workload(config.workload, **config.workload_options)
     strategy = make_strategy(spec.name, **spec.options)

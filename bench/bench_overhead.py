@@ -1,0 +1,233 @@
+"""Coordination overhead per step on loopback, beside a bare grpc.aio echo (a benchmark, not a test).
+
+    python bench/bench_overhead.py [--sites 8 32] [--steps 200]
+
+For each site count N it runs, in the same session:
+
+- **echo**: a bare grpc.aio bidirectional stream per client process; one round = the
+  server sends one small message to all N clients and waits for every reply. A step of
+  dadfl makes two such rounds (step_begin -> upload, message -> step_done).
+- **dadfl**: a real coordinator (in this process) and N ``python -m dadfl.client`` site
+  processes training a tiny workload (Linear 4 -> 2, a few bytes per payload) with dSGD,
+  so transfer is negligible. Per-step time is the server's ``seconds`` record (step_begin
+  to the update applied); compute is the in-process cost of the same work (one site's
+  local step, site half, apply and fingerprint, plus the server's aggregate and apply),
+  measured here; overhead = step time - compute.
+
+Medians over the steps after a warm-up. Goal: overhead <= 2 ms at 8 sites, <= 8 ms at 32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+HERE = Path(__file__).resolve().parent
+GOALS_MS = {8: 2.0, 32: 8.0}
+WARMUP = 20
+
+
+def tiny_workload():
+    """Linear 4 -> 2 on 64 random samples: compute and payloads close to nothing."""
+    import torch
+    from torch import nn
+
+    from dadfl.workloads import Split, Workload
+
+    g = torch.Generator().manual_seed(0)
+    inputs, targets = torch.randn(64, 4, generator=g), torch.randint(0, 2, (64,), generator=g)
+
+    def build():
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            return nn.Linear(4, 2)
+
+    return Workload(
+        name="tiny",
+        build_model=build,
+        train=Split(inputs, targets),
+        test=Split(inputs[:0], targets[:0]),
+        loss=lambda out, y: nn.functional.cross_entropy(out, y, reduction="none"),
+        metric=lambda out, y: float((out.argmax(-1) == y).float().mean()),
+    )
+
+
+# ----------------------------------------------------------------------------- bare echo
+
+ECHO_METHOD = "/bench.Echo/Stream"
+
+
+def _echo_client(address: str) -> None:
+    """Answer every server message with itself until the server ends the stream."""
+    import queue
+
+    channel = grpc.insecure_channel(address)
+    replies: queue.Queue = queue.Queue()
+    stream = channel.stream_stream(ECHO_METHOD, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+
+    def requests():
+        yield b"hello"
+        while (item := replies.get()) is not None:
+            yield item
+
+    for message in stream(requests()):
+        replies.put(message)
+    replies.put(None)
+    channel.close()
+
+
+async def _echo_server(n_clients: int, rounds: int) -> list[float]:
+    queues: list[asyncio.Queue] = []
+    everyone = asyncio.Event()
+
+    async def handler(request_iterator, context):
+        inbox: asyncio.Queue = asyncio.Queue()
+        outbox: asyncio.Queue = asyncio.Queue()
+        messages = request_iterator.__aiter__()
+        await messages.__anext__()  # the client's hello: it is connected
+        queues.append((inbox, outbox))
+        if len(queues) == n_clients:
+            everyone.set()
+
+        async def read():
+            async for message in messages:
+                inbox.put_nowait(message)
+
+        reader = asyncio.create_task(read())
+        while (item := await outbox.get()) is not None:
+            yield item
+        reader.cancel()
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler("bench.Echo", {"Stream": grpc.stream_stream_rpc_method_handler(handler, lambda b: b, lambda b: b)})]
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    spawn = multiprocessing.get_context("spawn")  # forking a process that runs gRPC is unsafe
+    clients = [spawn.Process(target=_echo_client, args=(f"127.0.0.1:{port}",)) for _ in range(n_clients)]
+    for client in clients:
+        client.start()
+    await asyncio.wait_for(everyone.wait(), 120)
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _, outbox in queues:
+            outbox.put_nowait(b"x" * 16)
+        await asyncio.gather(*(inbox.get() for inbox, _ in queues))
+        times.append(time.perf_counter() - start)
+    for _, outbox in queues:
+        outbox.put_nowait(None)
+    await server.stop(5)  # lets the handlers end their streams before the blocking joins
+    for client in clients:
+        client.join(30)
+    return times[WARMUP:]
+
+
+# ----------------------------------------------------------------------------- dadfl
+
+
+def compute_seconds(n_sites: int) -> float:
+    """What one step computes, without any network: one site's share plus the server's."""
+    from dadfl.replica import OptimizerConfig, Replica
+    from dadfl.strategies import make_strategy
+
+    workload, strategy = tiny_workload(), make_strategy("dsgd")
+    site, server_replica = Replica(workload, strategy, OptimizerConfig()), Replica(workload, strategy, OptimizerConfig())
+    server = strategy.server(server_replica.layout, server_replica.model)
+    times = []
+    for step in range(100):
+        start = time.perf_counter()
+        local = site.local(workload.train.inputs[:8], workload.train.targets[:8])
+        payload = site.half.begin(local, step)
+        message = server.aggregate([payload] * n_sites)
+        site.half.receive(message)
+        site.apply([message])
+        server_replica.apply([message])
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[WARMUP:])
+
+
+def run_dadfl(n_sites: int, steps: int) -> list[float]:
+    sys.path.insert(0, str(HERE))
+    from dadfl.server.config import ServerConfig
+    from dadfl.server.enrol import enroll
+    from dadfl.server.processes import write_toml
+    from dadfl.server.runtime import serve
+    from dadfl.metrics import read_metrics
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        config = ServerConfig.model_validate(
+            {
+                "run_dir": str(folder / "run"),
+                "listen": {"address": "127.0.0.1:0", "tokens": str(folder / "tokens.json")},
+                "workload": {"spec": "bench_overhead:tiny_workload"},
+                "strategy": {"name": "dsgd"},
+                "training": {"steps": steps, "batch_size": 8, "eval_every": steps, "checkpoint_every": 0},
+                "federation": {"min_sites": n_sites, "quorum_timeout_s": 300, "linger_s": 0},
+            }
+        )
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+        sites: list[subprocess.Popen] = []
+
+        def start_sites(endpoint: str) -> None:
+            for index in range(n_sites):
+                site_id = f"site-{index:03d}"
+                toml = write_toml(
+                    folder / f"{site_id}.toml",
+                    {
+                        "site_id": site_id, "token": enroll(folder / "tokens.json", site_id), "device": "cpu", "threads": 1,
+                        "connect": {"server": endpoint, "backoff_initial_s": 0.2, "max_attempts": 100},
+                        "data": {"source": "partition", "site_index": index, "num_sites": n_sites},
+                    },
+                )
+                sites.append(subprocess.Popen([sys.executable, "-m", "dadfl.client", "--config", str(toml), "--insecure"], env=env, stderr=subprocess.DEVNULL))
+
+        try:
+            asyncio.run(serve(config, insecure=True, on_listening=start_sites))
+        finally:
+            for process in sites:
+                process.wait(60)
+        records = list(read_metrics(folder / "run" / "metrics.jsonl"))
+    return [r["seconds"] for r in records[WARMUP:]]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sites", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--steps", type=int, default=200)
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+    results = []
+    for n in args.sites:
+        echo = statistics.median(asyncio.run(_echo_server(n, args.steps)))
+        step = statistics.median(run_dadfl(n, args.steps))
+        compute = compute_seconds(n)
+        overhead = step - compute
+        results.append({"sites": n, "echo_round_ms": echo * 1e3, "step_ms": step * 1e3, "compute_ms": compute * 1e3, "overhead_ms": overhead * 1e3})
+        goal = GOALS_MS.get(n)
+        print(
+            f"{n:3d} sites: echo round {echo * 1e3:6.2f} ms | dadfl step {step * 1e3:6.2f} ms = compute {compute * 1e3:5.2f} ms "
+            f"+ overhead {overhead * 1e3:6.2f} ms | overhead / (2 echo rounds) {overhead / (2 * echo):5.2f}x"
+            + (f" | goal {goal:.0f} ms: {overhead * 1e3 / goal:5.2f}x" if goal else ""),
+            flush=True,
+        )
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

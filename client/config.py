@@ -1,0 +1,59 @@
+"""A site's TOML configuration (``dadfl site --config configs/site-a.toml``).
+
+The server is the source of truth for the model, strategy and hyperparameters; a site
+configures only how to reach the server, who it is, where its data lives, and where
+it computes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from dadfl.config import StrictModel
+
+
+class PartitionData(StrictModel):
+    """This site's share of a built-in workload's training set (demos, simulations)."""
+
+    source: Literal["partition"] = "partition"
+    scheme: Literal["iid", "dirichlet", "quantity"] = "iid"
+    site_index: int = Field(ge=0)
+    num_sites: int = Field(ge=1)
+    alpha: float = Field(0.5, gt=0)
+    seed: int = Field(0, description="partition seed: every site of a federation must use the same")
+    batch_seed: int | None = Field(None, description="minibatch order seed (default seed + site_index)")
+
+    @model_validator(mode="after")
+    def _index_in_range(self) -> "PartitionData":
+        if self.site_index >= self.num_sites:
+            raise ValueError(f"site_index {self.site_index} must be below num_sites {self.num_sites}")
+        return self
+
+
+class FileData(StrictModel):
+    """Local data: a .npz (arrays ``inputs`` and ``targets``) or .pt (dict of tensors) file."""
+
+    source: Literal["file"] = "file"
+    path: Path
+    batch_seed: int = 0
+
+
+class ConnectConfig(StrictModel):
+    server: str = Field(description="host:port of the coordinator")
+    ca_cert: Path | None = Field(None, description="PEM CA certificate that signed the server's certificate")
+    tls_server_name: str | None = Field(None, description="name to expect in the server certificate, if not the host")
+    backoff_initial_s: float = Field(0.5, gt=0)
+    backoff_max_s: float = Field(10.0, gt=0)
+    max_attempts: int = Field(30, ge=1, description="connection attempts in a row before the site gives up")
+
+
+class SiteConfig(StrictModel):
+    site_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+    token: str = Field(min_length=16)
+    connect: ConnectConfig
+    data: PartitionData | FileData = Field(discriminator="source")
+    device: str = Field("auto", description="'auto' (CUDA when present), 'cpu', 'cuda' or 'cuda:N'")
+    threads: int = Field(0, ge=0, description="torch CPU threads; 0 keeps torch's default")

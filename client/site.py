@@ -1,0 +1,283 @@
+"""A site: joins the coordinator, trains on local data, never sends the data itself.
+
+``run_site`` connects (TLS with the configured CA, or plain text when the config has no
+CA), says hello with its site id and token, builds its replica from the run config the
+server sends (workload, strategy, optimizer, batch size), answers with its model layout
+fingerprint, loads the state the server sends, then follows the server step by step:
+local forward/backward, the strategy's site half for every phase, apply the update,
+report the weights fingerprint. When its weights differ from the server's at the start
+of a step it asks for the full state. A dropped connection is retried with exponential
+backoff; refusals (unknown site, bad token, wrong layout) end the site with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import grpc
+import numpy as np
+import torch
+
+from dadfl.protos import coordinator_pb2 as cpb
+from dadfl.protos import coordinator_pb2_grpc as cpb_grpc
+from dadfl.protos import tensor_pb2 as pb
+from dadfl.protos.channel import channel_options
+from dadfl.protos.codec import PayloadAssembler, codec_id, encode_payload
+from dadfl.protos.state import load_state
+from dadfl.replica import OptimizerConfig, Replica, resolve_device
+from dadfl.strategies import Payload, make_strategy, weights_fingerprint
+from dadfl.workloads import Split, load_workload, partition, site_batches
+
+from .config import FileData, SiteConfig
+
+log = logging.getLogger("dadfl.site")
+
+PROTOCOL_VERSION = 1
+MAX_CHUNK_BYTES = 4 << 20  # the largest chunk_bytes a server config allows
+PERMANENT = {
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.UNIMPLEMENTED,
+}
+
+
+class SiteRefused(RuntimeError):
+    """The server refused this site for a reason retrying cannot fix."""
+
+
+class GaveUp(RuntimeError):
+    """The server stayed unreachable for ``connect.max_attempts`` attempts in a row."""
+
+
+@dataclass
+class SiteSummary:
+    steps: int = 0  # steps this site completed
+    resyncs: int = 0  # full states received because the weights differed
+    connections: int = 0
+    fingerprint: str = ""
+    finished: str = ""
+
+
+@dataclass
+class Run:
+    """What the site built from the server's run config; kept across reconnects."""
+
+    config: cpb.RunConfig
+    replica: Replica
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
+    codec: int
+
+
+def load_site_data(config: SiteConfig, workload, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    data = config.data
+    if isinstance(data, FileData):
+        split = read_data_file(data.path)
+        return site_batches(split, torch.arange(len(split)), batch_size, seed=data.batch_seed)
+    indices = partition(
+        data.num_sites, len(workload.train), data.scheme, labels=workload.labels, alpha=data.alpha, seed=data.seed
+    )
+    seed = data.batch_seed if data.batch_seed is not None else data.seed + data.site_index
+    return site_batches(workload.train, indices[data.site_index], batch_size, seed=seed)
+
+
+def read_data_file(path) -> Split:
+    """``inputs``/``targets`` from a .npz (numpy arrays) or .pt (dict of tensors) file."""
+    if path.suffix == ".npz":
+        with np.load(path) as arrays:
+            data = {k: torch.from_numpy(arrays[k]) for k in arrays.files}
+    elif path.suffix == ".pt":
+        data = torch.load(path, weights_only=True)
+    else:
+        raise ValueError(f"data.path {path}: use a .npz or .pt file holding 'inputs' and 'targets'")
+    missing = {"inputs", "targets"} - set(data)
+    if missing:
+        raise ValueError(f"data.path {path}: missing {', '.join(sorted(missing))} (found {', '.join(sorted(data)) or 'nothing'})")
+    return Split(data["inputs"], data["targets"])
+
+
+class Session:
+    """One connection's message handling; the site's replica outlives it in ``self.run``."""
+
+    def __init__(self, site: "Site"):
+        self.site = site
+        self.outgoing: queue.Queue = queue.Queue()
+        self.assembler: PayloadAssembler | None = None
+        self.step: cpb.StepBegin | None = None  # the step under way
+        self.messages: list[Payload] = []
+        self.waiting_for_sync = False
+
+    def requests(self) -> Iterator[cpb.SiteMessage]:
+        while (message := self.outgoing.get()) is not None:
+            yield message
+
+    def send(self, **kind) -> None:
+        self.outgoing.put(cpb.SiteMessage(**kind))
+
+    def handle(self, message: cpb.ServerMessage) -> bool:
+        """Act on one server message; True when the run is over."""
+        kind = message.WhichOneof("kind")
+        if kind == "config":
+            self.site.prepare(message.config)
+            self.assembler = PayloadAssembler(message.config.max_payload_bytes)
+            self.send(ready=cpb.Ready(layout_fingerprint=self.site.run.replica.layout.fingerprint()))
+        elif kind == "chunk":
+            assembled = self.assembler.feed(message.chunk)
+            if assembled is not None:
+                if assembled.header.kind == pb.STATE:
+                    self.on_state(assembled.payload)
+                else:
+                    self.on_message(assembled.payload)
+        elif kind == "step_begin":
+            self.on_step_begin(message.step_begin)
+        elif kind == "step_abort":
+            log.warning("step %d aborted by the server: %s", message.step_abort.step, message.step_abort.reason)
+            self.step, self.messages, self.waiting_for_sync = None, [], False
+        elif kind == "finished":
+            self.site.summary.finished = message.finished.reason
+            return True
+        return False
+
+    def on_state(self, state: Payload) -> None:
+        replica = self.site.run.replica
+        load_state(replica, state)
+        self.site.summary.fingerprint = weights_fingerprint(replica.model)
+        log.info("loaded the server's state for step %d (%s)", state.step, self.site.summary.fingerprint[:12])
+        if self.waiting_for_sync:
+            self.waiting_for_sync = False
+            self.site.summary.resyncs += 1
+            self.start_step()
+
+    def on_step_begin(self, begin: cpb.StepBegin) -> None:
+        self.step, self.messages = begin, []
+        run = self.site.run
+        if begin.reset_strategy_state:
+            run.replica.half = run.replica.strategy.site(run.replica.layout, run.replica.model)
+        if self.site.summary.fingerprint != begin.fingerprint:
+            self.waiting_for_sync = True
+            self.send(sync_request=cpb.SyncRequest(step=begin.step, fingerprint=self.site.summary.fingerprint))
+            return
+        self.start_step()
+
+    def start_step(self) -> None:
+        run, begin = self.site.run, self.step
+        inputs, targets = next(run.batches)
+        local = run.replica.local(inputs, targets)
+        payload = run.replica.half.begin(local, begin.step)
+        self.upload(payload, loss_sum=local.loss_sum)
+
+    def upload(self, payload: Payload, loss_sum: float = 0.0) -> None:
+        run = self.site.run
+        chunks = encode_payload(
+            payload, run.codec, run.config.chunk_bytes, kind=pb.PHASE,
+            attempt=self.step.attempt, loss_sum=loss_sum, base_fingerprint=self.step.fingerprint,
+        )
+        for chunk in chunks:
+            self.send(chunk=chunk)
+
+    def on_message(self, message: Payload) -> None:
+        if self.step is None:
+            return  # the message of an aborted step
+        replica = self.site.run.replica
+        message = message.to(replica.device)
+        self.messages.append(message)
+        reply = replica.half.receive(message)
+        if reply is not None:
+            self.upload(reply)
+            return
+        fingerprint = replica.apply(self.messages)
+        self.site.summary.fingerprint = fingerprint
+        self.site.summary.steps += 1
+        self.send(step_done=cpb.StepDone(step=self.step.step, attempt=self.step.attempt, fingerprint=fingerprint))
+        if self.step.step % 10 == 0:
+            log.info("step %d done (%s)", self.step.step, fingerprint[:12])
+        self.step, self.messages = None, []
+
+
+@dataclass
+class Site:
+    config: SiteConfig
+    run: Run | None = None
+    summary: SiteSummary = field(default_factory=SiteSummary)
+
+    def prepare(self, config: cpb.RunConfig) -> None:
+        """Build the replica and data stream for the server's run (once per run id)."""
+        if self.run is not None and self.run.config.run_id == config.run_id:
+            return
+        workload = load_workload(config.workload, **json.loads(config.workload_options))
+        strategy = make_strategy(config.strategy, **json.loads(config.strategy_options))
+        optimizer = OptimizerConfig.model_validate(json.loads(config.optimizer))
+        replica = Replica(workload, strategy, optimizer, resolve_device(self.config.device))
+        batches = load_site_data(self.config, workload, config.batch_size)
+        self.run = Run(config, replica, batches, codec_id(config.codec))
+        log.info("site %s: run %s, %s with %s, %d steps", self.config.site_id, config.run_id, config.workload, config.strategy, config.steps)
+
+    def connect_once(self, channel: grpc.Channel) -> bool:
+        """One stream from hello to its end; True when the run finished."""
+        session = Session(self)
+        session.send(hello=cpb.Hello(site_id=self.config.site_id, token=self.config.token, protocol_version=PROTOCOL_VERSION))
+        stub = cpb_grpc.CoordinatorStub(channel)
+        responses = stub.Join(session.requests())
+        try:
+            for message in responses:
+                if session.handle(message):
+                    return True
+            return False
+        finally:
+            session.outgoing.put(None)
+            responses.cancel()
+
+
+def open_channel(config: SiteConfig, insecure: bool) -> grpc.Channel:
+    """TLS with the configured CA; plain text only when explicitly ``insecure``."""
+    options = channel_options(MAX_CHUNK_BYTES)
+    connect = config.connect
+    if insecure:
+        return grpc.insecure_channel(connect.server, options=options)
+    if connect.ca_cert is None:
+        raise SiteRefused("TLS is on by default: set connect.ca_cert to the server's CA certificate, or pass --insecure")
+    if not connect.ca_cert.is_file():
+        raise SiteRefused(f"connect.ca_cert {connect.ca_cert} does not exist; copy the server's CA certificate there")
+    credentials = grpc.ssl_channel_credentials(root_certificates=connect.ca_cert.read_bytes())
+    if connect.tls_server_name:
+        options.append(("grpc.ssl_target_name_override", connect.tls_server_name))
+    return grpc.secure_channel(connect.server, credentials, options=options)
+
+
+def run_site(config: SiteConfig, insecure: bool = False) -> SiteSummary:
+    """Take part in the server's run until it finishes; reconnect with backoff when dropped."""
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    site = Site(config)
+    connect = config.connect
+    failures, delay = 0, connect.backoff_initial_s
+    while True:
+        steps_before = site.summary.steps
+        channel = open_channel(config, insecure)
+        try:
+            site.summary.connections += 1
+            if site.connect_once(channel):
+                log.info("site %s: %s", config.site_id, site.summary.finished)
+                return site.summary
+            reason = "the server ended the stream"
+        except grpc.RpcError as exc:
+            if exc.code() in PERMANENT:
+                raise SiteRefused(f"site {config.site_id} refused by {connect.server}: {exc.details()}") from None
+            reason = f"{exc.code().name}: {exc.details()}"
+        finally:
+            channel.close()
+        if site.summary.steps > steps_before:
+            failures, delay = 0, connect.backoff_initial_s  # the connection was useful: start over
+        failures += 1
+        if failures >= connect.max_attempts:
+            raise GaveUp(f"site {config.site_id}: {connect.server} unreachable {failures} times in a row (last: {reason})")
+        pause = delay * (0.5 + random.random())  # jitter: sites that lost the server together do not return together
+        log.warning("site %s: %s; reconnecting in %.1f s (%d/%d)", config.site_id, reason, pause, failures, connect.max_attempts)
+        time.sleep(pause)
+        delay = min(delay * 2, connect.backoff_max_s)

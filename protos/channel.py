@@ -1,0 +1,16 @@
+"""gRPC channel and server options shared by the coordinator and the sites."""
+
+from __future__ import annotations
+
+
+def channel_options(chunk_bytes: int) -> list[tuple[str, int]]:
+    """Message limits sized to one payload chunk plus its header; keepalive to spot dead peers."""
+    limit = chunk_bytes + (1 << 20)
+    return [
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", limit),
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]

@@ -1,0 +1,101 @@
+"""Commands of the coordinator side: ``dadfl server``, ``dadfl enroll``, ``dadfl certs``.
+
+Plain functions with typer annotations; ``dadfl/cli.py`` registers them on the ``dadfl`` app.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from dadfl.config import ConfigError, load_config
+
+from .certs import make_dev_certs
+from .config import ServerConfig
+from .coordinator import RunStopped
+from .enrol import enroll as issue_token
+from .runtime import run_server
+
+
+def _fail(message: str, code: int = 2) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def server(
+    config: Path = typer.Option(..., "--config", help="server TOML, e.g. configs/server.toml"),
+    insecure: bool = typer.Option(False, "--insecure", help="serve plain text (no TLS): trusted networks and tests only"),
+    verbose: bool = typer.Option(False, "--verbose", help="debug logging"),
+) -> None:
+    """Run the coordinator: wait for the sites, drive every step, checkpoint, write the model."""
+    setup_logging(verbose)
+    try:
+        settings = load_config(config, ServerConfig)
+        if not insecure:
+            settings.require_tls()
+        run_server(settings, insecure=insecure)
+    except (ConfigError, ValueError, OSError) as exc:
+        _fail(str(exc))
+    except RunStopped as exc:
+        _fail(f"run stopped: {exc} (the last checkpoint is kept; start the server again to resume)", code=1)
+
+
+def enroll(
+    site_id: str = typer.Argument(..., help="name of the site, e.g. hospital-a"),
+    config: Path = typer.Option(Path("configs/server.toml"), "--config", help="server TOML (its listen.tokens file gets the token hash)"),
+    address: Optional[str] = typer.Option(None, help="host:port the site dials (default: the server's listen.address)"),
+    ca_cert: Path = typer.Option(Path("certs/ca.pem"), help="path of the CA certificate on the site's machine"),
+    replace: bool = typer.Option(False, "--replace", help="issue a new token for an enrolled site (the old one stops working)"),
+    out: Optional[Path] = typer.Option(None, help="write the site config here instead of printing it"),
+) -> None:
+    """Issue a token for a site, store only its hash, print the site's config."""
+    try:
+        settings = load_config(config, ServerConfig)
+        token = issue_token(settings.listen.tokens, site_id, replace=replace)
+    except (ConfigError, ValueError) as exc:
+        _fail(str(exc))
+    text = site_config_text(site_id, token, address or settings.listen.address, ca_cert)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+        out.chmod(0o600)
+        typer.echo(f"site config for {site_id} written to {out} (it holds the token: send it privately)")
+    else:
+        typer.echo(text)
+
+
+def site_config_text(site_id: str, token: str, address: str, ca_cert: Path) -> str:
+    return f"""\
+# Site config of {site_id!r}, issued by `dadfl enroll`. The token is shown only once:
+# the server keeps only its hash. Keep this file private.
+site_id = "{site_id}"
+token = "{token}"
+device = "auto"   # CUDA when present, else CPU
+threads = 0       # torch CPU threads; 0 keeps torch's default
+
+[connect]
+server = "{address}"
+ca_cert = "{ca_cert}"
+
+[data]
+# This site's own data: a .npz with arrays 'inputs' and 'targets' (or a .pt dict of tensors).
+source = "file"
+path = "data/{site_id}.npz"
+"""
+
+
+def certs(
+    out: Path = typer.Option(Path("certs"), help="folder for ca.pem, ca.key, server.pem, server.key"),
+    host: list[str] = typer.Option([], "--host", help="extra name or IP of the server (repeatable); localhost and 127.0.0.1 are always in"),
+) -> None:
+    """Create a development CA and a server certificate (tests, demos, docker-compose)."""
+    paths = make_dev_certs(out, tuple(host))
+    for path in paths.values():
+        typer.echo(path)

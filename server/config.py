@@ -1,0 +1,88 @@
+"""The coordinator's TOML configuration (``dadfl server --config configs/server.toml``).
+
+Relative paths are resolved against the working directory the server starts in (what
+``docker compose`` sets with ``working_dir``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from dadfl.config import StrictModel
+from dadfl.replica import OptimizerConfig
+
+
+class ListenConfig(StrictModel):
+    address: str = Field("127.0.0.1:50051", description="host:port to listen on; port 0 picks a free port")
+    tls_cert: Path | None = Field(None, description="PEM certificate chain of the server")
+    tls_key: Path | None = Field(None, description="PEM private key of the server")
+    tokens: Path = Field(Path("tokens.json"), description="enrolled sites and their token hashes")
+
+
+class WorkloadConfig(StrictModel):
+    spec: str = Field("digits-mlp", description="built-in name or 'package.module:factory'")
+    options: dict = Field(default_factory=dict)
+
+
+class StrategyConfig(StrictModel):
+    name: str = "dad"
+    options: dict = Field(default_factory=dict)
+    label: str = Field("", description="name in metrics and plots (default: name(options))")
+
+
+class TrainingConfig(StrictModel):
+    steps: int = Field(100, ge=1)
+    batch_size: int = Field(32, ge=1)
+    eval_every: int = Field(10, ge=1, description="steps between held-out evaluations (and always after the last)")
+    checkpoint_every: int = Field(10, ge=0, description="steps between checkpoints; 0 = only at the end")
+
+
+class FederationConfig(StrictModel):
+    min_sites: int = Field(2, ge=1, description="quorum: a step needs at least this many sites")
+    initial_sites: int | None = Field(None, ge=1, description="sites to wait for before the first step (default min_sites)")
+    phase_timeout_s: float = Field(60.0, gt=0, description="how long a phase waits for a site's payload")
+    quorum_timeout_s: float = Field(600.0, gt=0, description="how long the server waits for a quorum before giving up")
+    linger_s: float = Field(10.0, ge=0, description="after the last step, how long to wait for disconnected sites to learn the run finished")
+
+    @model_validator(mode="after")
+    def _initial_at_least_quorum(self) -> "FederationConfig":
+        if self.initial_sites is not None and self.initial_sites < self.min_sites:
+            raise ValueError(f"initial_sites ({self.initial_sites}) must be at least min_sites ({self.min_sites})")
+        return self
+
+
+class WireConfig(StrictModel):
+    codec: Literal["none", "fp16", "bf16"] = Field("none", description="encoding of factor tensors (A, D, P, Q)")
+    chunk_bytes: int = Field(1 << 20, ge=1024, le=(4 << 20) - 65536, description="payload bytes per gRPC message")
+    max_payload_bytes: int = Field(1 << 30, ge=1024, description="largest payload a site may send")
+
+
+class ServerConfig(StrictModel):
+    run_dir: Path = Field(Path("runs/server"), description="metrics.jsonl, checkpoint.pt, model.pt")
+    threads: int = Field(
+        0, ge=0, description="torch CPU threads; 0 keeps torch's default. Matrix products round differently "
+        "with different thread counts, so give every replica the same value for bit-identical weights"
+    )
+    listen: ListenConfig = ListenConfig()
+    workload: WorkloadConfig = WorkloadConfig()
+    strategy: StrategyConfig = StrategyConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    training: TrainingConfig = TrainingConfig()
+    federation: FederationConfig = FederationConfig()
+    wire: WireConfig = WireConfig()
+
+    def require_tls(self) -> tuple[Path, Path]:
+        """The certificate and key, or a message on how to get them (or run --insecure)."""
+        if self.listen.tls_cert is None or self.listen.tls_key is None:
+            raise ValueError(
+                "TLS is on by default: set listen.tls_cert and listen.tls_key in the server config "
+                "(`dadfl certs --out certs` makes a development CA and server certificate), "
+                "or pass --insecure to serve plain text on a trusted network"
+            )
+        for path in (self.listen.tls_cert, self.listen.tls_key):
+            if not path.is_file():
+                raise ValueError(f"TLS file {path} does not exist (listen.tls_cert / listen.tls_key)")
+        return self.listen.tls_cert, self.listen.tls_key

@@ -1,0 +1,449 @@
+"""The coordinator: enrolment checks, the step loop over connected sites, checkpoints, metrics.
+
+One gRPC bidirectional stream per site (``Join``); the step loop (:meth:`Coordinator.run`)
+drives the strategy's server half over the sites that are connected, in site-id order:
+
+1. wait for a quorum (``min_sites``; ``initial_sites`` before the first step), send the
+   current state (weights + optimizer state) to sites that joined since the last step;
+2. ``step_begin`` to every participant, then per phase: collect every participant's
+   upload (``phase_timeout_s`` each), check it, aggregate, send the message to all;
+3. when every participant reports ``step_done``, apply the same update to the server's
+   replica, log metrics, evaluate and checkpoint on schedule.
+
+Dropouts: a site lost during phase 0 is left out and the step completes with the rest
+(the server half divides by the samples that arrived) if the quorum holds. A site lost
+after phase 0 of a multi-phase strategy, or a lost quorum, aborts the step: no replica
+has applied anything yet, so the step simply restarts (next ``attempt``) once a quorum
+is connected again. A site that reconnects receives the current state before its next step.
+
+Strategy state across steps (PowerSGD error feedback and warm start, rank-dAD warm
+start) lives in the strategy's halves. Whenever the set of participants changes (a site
+drops out or joins), after an aborted step, and after a server restart, every replica
+rebuilds its halves (``reset_strategy_state``): the state of every participant must
+describe the same federation, and a rejoining site's old state describes a past one.
+The cost is one step without warm start or error feedback; exactness is unaffected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from dadfl.metrics import MetricsWriter
+from dadfl.protos import coordinator_pb2 as cpb
+from dadfl.protos import coordinator_pb2_grpc as cpb_grpc
+from dadfl.protos import tensor_pb2 as pb
+from dadfl.protos.codec import PayloadAssembler, WireError, codec_id, encode_payload, roundtrip
+from dadfl.protos.state import state_payload
+from dadfl.replica import Replica
+from dadfl.strategies import make_strategy, weights_fingerprint
+from dadfl.workloads import load_workload
+
+from . import checkpoint
+from .config import ServerConfig
+from .enrol import EnrolmentError, verify
+from .links import FINISH, Close, Closed, Done, SiteLink, SyncRequest, Upload
+from .validate import PayloadError, UploadCheck
+
+log = logging.getLogger("dadfl.server")
+
+PROTOCOL_VERSION = 1
+GRPC_FRAME_BYTES = 5  # length prefix of every gRPC message
+HANDSHAKE_TIMEOUT_S = 120.0  # a site builds its replica between config and ready
+MAX_ATTEMPTS_PER_STEP = 5
+
+
+class RunStopped(RuntimeError):
+    """The run cannot go on (no quorum in time, a step failing again and again)."""
+
+
+def wire_size(message) -> int:
+    return message.ByteSize() + GRPC_FRAME_BYTES
+
+
+def strategy_label(name: str, options: dict, label: str = "") -> str:
+    """The strategy's name in metrics, as the in-process simulation writes it."""
+    if label:
+        return label
+    suffix = ",".join(f"{k}={v}" for k, v in sorted(options.items()))
+    return f"{name}({suffix})" if suffix else name
+
+
+@dataclass
+class StepResult:
+    participants: list[SiteLink]
+    messages: list
+    samples: int
+    loss_sum: float
+    bytes_up: int
+    bytes_down: int
+    phase_seconds: list[float]
+    site_fingerprints: dict[str, str]
+
+
+class Coordinator(cpb_grpc.CoordinatorServicer):
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        workload = load_workload(config.workload.spec, **config.workload.options)
+        self.strategy = make_strategy(config.strategy.name, **config.strategy.options)
+        self.label = strategy_label(config.strategy.name, config.strategy.options, config.strategy.label)
+        self.replica = Replica(workload, self.strategy, config.optimizer)
+        self.layout = self.replica.layout
+        self.check = UploadCheck(self.layout, self.replica.model)
+        self.codec = codec_id(config.wire.codec)
+        self.run_dir = Path(config.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.identity = {
+            "workload": [config.workload.spec, config.workload.options],
+            "strategy": [config.strategy.name, config.strategy.options],
+            "optimizer": config.optimizer.model_dump(),
+        }
+        resumed = checkpoint.resume(self.run_dir, self.replica, self.identity)
+        self.step = resumed.next_step if resumed else 0
+        self.run_id = resumed.run_id if resumed else uuid.uuid4().hex[:12]
+        if resumed:
+            log.info("resuming run %s at step %d from %s", self.run_id, self.step, self.run_dir / checkpoint.CHECKPOINT)
+        checkpoint.trim_metrics(self.run_dir / "metrics.jsonl", self.step)
+        self.fingerprint = weights_fingerprint(self.replica.model)
+        self.links: dict[str, SiteLink] = {}
+        self.changed = asyncio.Event()
+        self.finished = False
+        self.known_sites: set[str] = set()  # every site that took part in this server's run
+        self.told_finished: set[str] = set()
+        self.last_participants: tuple[str, ...] | None = None  # None forces a strategy-state reset
+        self.server_half = self.strategy.server(self.layout, self.replica.model)
+
+    # ------------------------------------------------------------------ the site streams
+
+    def run_config(self) -> cpb.RunConfig:
+        c = self.config
+        return cpb.RunConfig(
+            run_id=self.run_id,
+            workload=c.workload.spec,
+            workload_options=json.dumps(c.workload.options),
+            strategy=c.strategy.name,
+            strategy_options=json.dumps(c.strategy.options),
+            optimizer=json.dumps(c.optimizer.model_dump()),
+            batch_size=c.training.batch_size,
+            steps=c.training.steps,
+            codec=c.wire.codec,
+            layout_fingerprint=self.layout.fingerprint(),
+            chunk_bytes=c.wire.chunk_bytes,
+            max_payload_bytes=c.wire.max_payload_bytes,
+        )
+
+    async def Join(self, request_iterator, context):
+        link = await self._handshake(context)
+        if link is None:
+            return
+        reader = asyncio.create_task(self._read_site(link, context))
+        try:
+            while True:
+                item = await link.outbox.get()
+                if item is FINISH:
+                    return
+                if isinstance(item, Close):
+                    log.warning("closing site %s: %s", link.site_id, item.reason)
+                    await context.abort(item.code, item.reason)
+                await context.write(item)
+        finally:
+            reader.cancel()
+            link.gone("stream ended")
+            if self.links.get(link.site_id) is link:
+                del self.links[link.site_id]
+                self.changed.set()
+            log.info("site %s disconnected", link.site_id)
+
+    async def _handshake(self, context) -> SiteLink | None:
+        """Hello, token check, config, layout check; None when the run is already over."""
+        first = await self._read_one(context, "hello")
+        hello = first.hello
+        if hello.protocol_version != PROTOCOL_VERSION:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"site speaks protocol {hello.protocol_version}, this server {PROTOCOL_VERSION}: run the same dadfl version",
+            )
+        try:
+            verify(Path(self.config.listen.tokens), hello.site_id, hello.token)
+        except EnrolmentError as exc:
+            log.warning("refused %s from %s: %s", hello.site_id, context.peer(), exc)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED if exc.unknown else grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        await context.write(cpb.ServerMessage(config=self.run_config()))
+        if self.finished:  # a late site still gets the final model
+            for message in self._state_messages():
+                await context.write(message)
+            await context.write(cpb.ServerMessage(finished=cpb.Finished(reason=f"run {self.run_id} has finished")))
+            self.told_finished.add(hello.site_id)
+            self.changed.set()
+            return None
+        ready = (await self._read_one(context, "ready")).ready
+        if ready.layout_fingerprint != self.layout.fingerprint():
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"site {hello.site_id} built model layout {ready.layout_fingerprint} but the server has "
+                f"{self.layout.fingerprint()}: site and server must run the same dadfl, torch and workload code",
+            )
+        link = SiteLink(hello.site_id, context.peer())
+        previous = self.links.get(link.site_id)
+        if previous is not None:
+            previous.close(grpc.StatusCode.ABORTED, f"site {link.site_id} connected again; this older stream is replaced")
+        self.links[link.site_id] = link
+        self.changed.set()
+        log.info("site %s joined from %s", link.site_id, link.peer)
+        return link
+
+    async def _read_one(self, context, expected: str) -> cpb.SiteMessage:
+        try:
+            message = await asyncio.wait_for(context.read(), HANDSHAKE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"no {expected} message within {HANDSHAKE_TIMEOUT_S:.0f} s")
+        if message is grpc.aio.EOF or message.WhichOneof("kind") != expected:
+            got = "end of stream" if message is grpc.aio.EOF else message.WhichOneof("kind")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"expected a {expected} message, got {got}")
+        return message
+
+    async def _read_site(self, link: SiteLink, context) -> None:
+        assembler = PayloadAssembler(self.config.wire.max_payload_bytes)
+        try:
+            while not link.closed:
+                message = await context.read()
+                if message is grpc.aio.EOF:
+                    link.gone("the site closed its stream")
+                    break
+                link.wire_up += wire_size(message)
+                kind = message.WhichOneof("kind")
+                if kind == "chunk":
+                    try:
+                        assembled = assembler.feed(message.chunk)
+                    except WireError as exc:
+                        link.close(grpc.StatusCode.INVALID_ARGUMENT, f"bad payload from site {link.site_id}: {exc}")
+                        break
+                    if assembled is not None:
+                        link.inbox.put_nowait(Upload(assembled))
+                elif kind == "step_done":
+                    done = message.step_done
+                    link.inbox.put_nowait(Done(done.step, done.attempt, done.fingerprint))
+                elif kind == "sync_request":
+                    link.inbox.put_nowait(SyncRequest(message.sync_request.step, message.sync_request.fingerprint))
+                else:
+                    link.close(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {kind or 'empty'} message after the handshake")
+                    break
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the connection broke under the read
+            link.gone(f"connection lost: {exc}")
+        finally:
+            link.outbox.put_nowait(FINISH)
+
+    def _send(self, link: SiteLink, *messages: cpb.ServerMessage) -> None:
+        link.wire_down += sum(wire_size(m) for m in messages)
+        link.send(*messages)
+
+    def _state_messages(self) -> list[cpb.ServerMessage]:
+        chunks = encode_payload(
+            state_payload(self.replica, self.step), chunk_bytes=self.config.wire.chunk_bytes, kind=pb.STATE,
+            base_fingerprint=self.fingerprint,
+        )
+        return [cpb.ServerMessage(chunk=c) for c in chunks]
+
+    # ------------------------------------------------------------------ the step loop
+
+    async def run(self) -> None:
+        """Train until ``training.steps``; checkpoint and write the final model."""
+        steps = self.config.training.steps
+        first = True
+        with MetricsWriter(self.run_dir / "metrics.jsonl") as metrics:
+            while self.step < steps:
+                for attempt in range(MAX_ATTEMPTS_PER_STEP):
+                    need = (self.config.federation.initial_sites or self.config.federation.min_sites) if first else self.config.federation.min_sites
+                    participants = await self._quorum(need)
+                    started = time.perf_counter()
+                    result = await self._run_step(participants, attempt)
+                    if result is not None:
+                        break
+                else:
+                    raise RunStopped(f"step {self.step} failed {MAX_ATTEMPTS_PER_STEP} times in a row; see the log above")
+                first = False
+                await self._finish_step(result, attempt, started, metrics)
+        self.finished = True
+        checkpoint.save_final_model(self.run_dir, self.replica)
+        for link in list(self.links.values()):
+            if not link.admitted:  # joined during the last step: send it the final model
+                self._send(link, *self._state_messages())
+            self._send(link, cpb.ServerMessage(finished=cpb.Finished(reason=f"run {self.run_id} finished after {steps} steps")))
+            link.outbox.put_nowait(FINISH)
+            self.told_finished.add(link.site_id)
+        log.info("run %s finished: %d steps, model in %s", self.run_id, steps, self.run_dir / checkpoint.FINAL_MODEL)
+        await self._linger()
+
+    async def _linger(self) -> None:
+        """Give sites that were disconnected at the end ``linger_s`` to reconnect and hear it."""
+        deadline = time.monotonic() + self.config.federation.linger_s
+        while (missing := self.known_sites - self.told_finished) and (remaining := deadline - time.monotonic()) > 0:
+            self.changed.clear()
+            try:
+                await asyncio.wait_for(self.changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                log.warning("%s did not reconnect after the run finished", ", ".join(sorted(missing)))
+
+    async def _quorum(self, need: int) -> list[SiteLink]:
+        """Wait for ``need`` connected sites; send the current state to new ones."""
+        timeout = self.config.federation.quorum_timeout_s
+        deadline = time.monotonic() + timeout
+        while True:
+            self.changed.clear()
+            live = sorted((link for link in self.links.values() if not link.closed), key=lambda link: link.site_id)
+            if len(live) >= need:
+                break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                names = ", ".join(link.site_id for link in live) or "none"
+                raise RunStopped(f"only {len(live)} of the {need} sites needed were connected after {timeout:.0f} s (connected: {names})")
+            try:
+                await asyncio.wait_for(self.changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+        newcomers = [link for link in live if not link.admitted]
+        if newcomers:
+            state = self._state_messages()
+            for link in newcomers:
+                self._send(link, *state)
+                link.admitted = True
+                self.known_sites.add(link.site_id)
+        return live
+
+    async def _run_step(self, participants: list[SiteLink], attempt: int) -> StepResult | None:
+        """All phases of one step; None when it was aborted (nothing applied anywhere)."""
+        step, min_sites = self.step, self.config.federation.min_sites
+        ids = tuple(link.site_id for link in participants)
+        reset = ids != self.last_participants
+        if reset:
+            self.server_half = self.strategy.server(self.layout, self.replica.model)
+        self.last_participants = ids
+        begin = cpb.ServerMessage(step_begin=cpb.StepBegin(step=step, fingerprint=self.fingerprint, reset_strategy_state=reset, attempt=attempt))
+        for link in participants:
+            self._send(link, begin)
+        active, messages, phase_seconds = participants, [], []
+        samples, loss_sum, bytes_up, bytes_down = 0, 0.0, 0, 0
+        phase = 0
+        while True:
+            started = time.perf_counter()
+            events = await asyncio.gather(*(self._next_event(link, step, attempt, phase) for link in active))
+            dones = {link.site_id: e.fingerprint for link, e in zip(active, events) if isinstance(e, Done)}
+            uploads = [(link, e.payload) for link, e in zip(active, events) if isinstance(e, Upload)]
+            lost = [link.site_id for link, e in zip(active, events) if e is None]
+            if dones:
+                if uploads:
+                    return self._abort(active, step, attempt, "sites disagree on the number of phases of this step")
+                return StepResult(active, messages, samples, loss_sum, bytes_up, bytes_down, phase_seconds, dones)
+            if lost and phase > 0:
+                return self._abort(active, step, attempt, f"{', '.join(lost)} left after phase 0, which already counted them")
+            if len(uploads) < min_sites:
+                return self._abort(active, step, attempt, f"only {len(uploads)} of the {min_sites} sites needed sent phase {phase}")
+            active = [link for link, _ in uploads]
+            if phase == 0:
+                samples = sum(u.payload.num_samples for _, u in uploads)
+                loss_sum = sum(u.header.loss_sum for _, u in uploads)
+            bytes_up += sum(u.header.total_bytes for _, u in uploads)
+            try:
+                message = await asyncio.to_thread(self.server_half.aggregate, [u.payload for _, u in uploads])
+            except Exception as exc:  # a strategy bug or an input the checks missed: keep the good state
+                log.exception("aggregation failed")
+                return self._abort(active, step, attempt, f"the {self.strategy.name} server half failed on phase {phase}: {exc}")
+            chunks = encode_payload(message, self.codec, self.config.wire.chunk_bytes, kind=pb.PHASE, attempt=attempt)
+            messages.append(roundtrip(message, self.codec))  # what every site decodes
+            wire = [cpb.ServerMessage(chunk=chunk) for chunk in chunks]
+            for link in active:
+                self._send(link, *wire)
+            bytes_down += chunks[0].header.total_bytes * len(active)
+            phase_seconds.append(time.perf_counter() - started)
+            phase += 1
+
+    async def _next_event(self, link: SiteLink, step: int, attempt: int, phase: int):
+        """The site's upload for this phase, or its step_done; None when it is gone or late."""
+        timeout = self.config.federation.phase_timeout_s
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                event = await asyncio.wait_for(link.inbox.get(), max(deadline - time.monotonic(), 0))
+            except asyncio.TimeoutError:
+                link.close(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"site {link.site_id} sent nothing for step {step} phase {phase} within {timeout:g} s (federation.phase_timeout_s)",
+                )
+                return None
+            if isinstance(event, Closed):
+                log.warning("site %s lost during step %d phase %d: %s", link.site_id, step, phase, event.reason)
+                return None
+            if isinstance(event, SyncRequest):
+                log.warning("site %s has weights %s, resending the state", link.site_id, event.fingerprint[:12])
+                self._send(link, *self._state_messages())
+                continue
+            header_step = (event.step, event.attempt) if isinstance(event, Done) else (event.payload.header.step, event.payload.header.attempt)
+            if header_step < (step, attempt):
+                continue  # an answer to an aborted attempt: the site has moved on
+            if isinstance(event, Done):
+                return event
+            try:
+                self.check.check(event.payload, step, attempt, phase, self.fingerprint, self.config.training.batch_size)
+            except PayloadError as exc:
+                link.close(grpc.StatusCode.INVALID_ARGUMENT, f"site {link.site_id}, step {step} phase {phase}: {exc}")
+                return None
+            return event
+
+    def _abort(self, links: list[SiteLink], step: int, attempt: int, reason: str) -> None:
+        log.warning("step %d attempt %d aborted: %s", step, attempt, reason)
+        abort = cpb.ServerMessage(step_abort=cpb.StepAbort(step=step, reason=reason))
+        for link in links:
+            if not link.closed:
+                self._send(link, abort)
+        self.last_participants = None  # halves may hold half a step: rebuild them everywhere
+        return None
+
+    async def _finish_step(self, result: StepResult, attempt: int, started: float, metrics: MetricsWriter) -> None:
+        step, steps = self.step, self.config.training.steps
+        self.fingerprint = await asyncio.to_thread(self.replica.apply, result.messages)
+        seconds = time.perf_counter() - started  # as the in-process simulation: evaluation excluded
+        mismatched = sorted(site for site, fp in result.site_fingerprints.items() if fp != self.fingerprint)
+        if mismatched:
+            log.warning("step %d: %s ended with different weights; they resync at the next step", step, ", ".join(mismatched))
+        self.step += 1
+        wire_up = {link.site_id: link.wire_up for link in result.participants}
+        wire_down = {link.site_id: link.wire_down for link in result.participants}
+        for link in result.participants:
+            link.wire_up = link.wire_down = 0
+        record = {
+            "strategy": self.label,
+            "step": step,
+            "sites": len(result.participants),
+            "samples": result.samples,
+            "train_loss": result.loss_sum / result.samples,
+            "bytes_up": result.bytes_up,
+            "bytes_down": result.bytes_down,
+            "seconds": seconds,
+            "fingerprint": self.fingerprint,
+            "wire_bytes_up": sum(wire_up.values()),
+            "wire_bytes_down": sum(wire_down.values()),
+            "wire_bytes_up_by_site": wire_up,
+            "wire_bytes_down_by_site": wire_down,
+            "phase_seconds": result.phase_seconds,
+            "site_ids": [link.site_id for link in result.participants],
+            "attempt": attempt,
+            "fingerprint_mismatches": mismatched,
+            **self.strategy.describe(self.layout, result.messages),
+        }
+        eval_every = self.config.training.eval_every
+        if len(self.replica.workload.test) and ((step + 1) % eval_every == 0 or step + 1 == steps):
+            scores = await asyncio.to_thread(self.replica.evaluate)
+            record.update({f"test_{k}": v for k, v in scores.items()})
+        metrics.write(record)
+        every = self.config.training.checkpoint_every
+        if (every and (step + 1) % every == 0) or step + 1 == steps:
+            await asyncio.to_thread(checkpoint.save_checkpoint, self.run_dir, self.replica, self.step, self.run_id, self.identity)

@@ -1,0 +1,62 @@
+"""Running the coordinator: the gRPC server (TLS or, explicitly, plain text) around the step loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from pathlib import Path
+from typing import Callable
+
+import grpc
+import torch
+
+from dadfl.protos import coordinator_pb2_grpc as cpb_grpc
+from dadfl.protos.channel import channel_options
+
+from .config import ServerConfig
+from .coordinator import Coordinator
+
+log = logging.getLogger("dadfl.server")
+
+ENDPOINT_FILE = "endpoint"  # "host:port" the server listens on, written once it does
+STOP_GRACE_S = 2.0
+
+
+async def serve(config: ServerConfig, insecure: bool = False, on_listening: Callable[[str], None] | None = None) -> None:
+    """Listen, run the federation to its last step, stop. TLS unless ``insecure``."""
+    credentials = None
+    if not insecure:
+        cert, key = config.require_tls()
+        credentials = grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())])
+    coordinator = Coordinator(config)
+    server = grpc.aio.server(options=channel_options(config.wire.chunk_bytes))
+    cpb_grpc.add_CoordinatorServicer_to_server(coordinator, server)
+    address = config.listen.address
+    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot listen on {address} (listen.address): is the port taken?")
+    endpoint = f"{address.rsplit(':', 1)[0]}:{port}"
+    await server.start()
+    endpoint_file = Path(config.run_dir) / ENDPOINT_FILE
+    _write_atomic(endpoint_file, endpoint)
+    log.info("coordinator listening on %s (%s), run folder %s", endpoint, "plain text" if insecure else "TLS", config.run_dir)
+    if on_listening:
+        on_listening(endpoint)
+    try:
+        await coordinator.run()
+    finally:
+        endpoint_file.unlink(missing_ok=True)
+        await server.stop(STOP_GRACE_S)
+
+
+def run_server(config: ServerConfig, insecure: bool = False) -> None:
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    asyncio.run(serve(config, insecure))
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

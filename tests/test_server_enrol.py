@@ -1,0 +1,67 @@
+"""Enrolment: tokens issued once, only hashes stored; unknown sites and bad tokens refused."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+
+import pytest
+from typer.testing import CliRunner
+
+from dadfl.cli import app
+from dadfl.client.config import SiteConfig
+from dadfl.client.site import SiteRefused, run_site
+from dadfl.server.enrol import EnrolmentError, enroll, verify
+from network_helpers import ServerThread, SiteThread, server_config, site_config
+
+
+def test_token_file_holds_only_hashes(tmp_path):
+    path = tmp_path / "tokens.json"
+    token = enroll(path, "hospital-a")
+    text = path.read_text()
+    assert token not in text and "hospital-a" in text
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    verify(path, "hospital-a", token)
+    with pytest.raises(EnrolmentError, match="wrong token"):
+        verify(path, "hospital-a", token + "x")
+    with pytest.raises(EnrolmentError, match="not enrolled"):
+        verify(path, "hospital-b", token)
+
+
+def test_enrolling_twice_needs_replace_and_revokes_the_old_token(tmp_path):
+    path = tmp_path / "tokens.json"
+    old = enroll(path, "a")
+    with pytest.raises(ValueError, match="already enrolled"):
+        enroll(path, "a")
+    new = enroll(path, "a", replace=True)
+    verify(path, "a", new)
+    with pytest.raises(EnrolmentError):
+        verify(path, "a", old)
+
+
+def test_bad_site_ids_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="site id"):
+        enroll(tmp_path / "t.json", "../evil")
+
+
+def test_enroll_command_prints_a_valid_site_config(tmp_path):
+    server_toml = tmp_path / "server.toml"
+    server_toml.write_text(f'[listen]\naddress = "0.0.0.0:50051"\ntokens = "{tmp_path / "tokens.json"}"\n')
+    result = CliRunner().invoke(app, ["enroll", "hospital-a", "--config", str(server_toml), "--address", "fl.example.org:50051"])
+    assert result.exit_code == 0, result.output
+    site = SiteConfig.model_validate(tomllib.loads(result.output))
+    assert site.site_id == "hospital-a" and site.connect.server == "fl.example.org:50051"
+    verify(tmp_path / "tokens.json", "hospital-a", site.token)
+    assert "sha256" in json.loads((tmp_path / "tokens.json").read_text())["sites"]["hospital-a"]
+
+
+def test_unknown_sites_and_bad_tokens_are_refused_and_the_run_goes_on(tmp_path):
+    server = ServerThread(server_config(tmp_path, training={"steps": 2}, federation={"min_sites": 1})).start()
+    good = site_config(tmp_path, "good", server.endpoint, 0, 1)
+    with pytest.raises(SiteRefused, match="'stranger' is not enrolled on this server; run `dadfl enroll stranger`"):
+        run_site(SiteConfig.model_validate({**good.model_dump(), "site_id": "stranger"}), insecure=True)
+    with pytest.raises(SiteRefused, match="wrong token for site 'good'"):
+        run_site(SiteConfig.model_validate({**good.model_dump(), "token": "x" * 43}), insecure=True)
+    summary = SiteThread(good).start().join()
+    server.join()
+    assert summary.steps == 2

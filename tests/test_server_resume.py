@@ -1,0 +1,78 @@
+"""Checkpoints are atomic; a coordinator killed mid-run resumes from its last checkpoint."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from dadfl.metrics import read_metrics
+from dadfl.server import checkpoint
+from dadfl.server.coordinator import Coordinator
+from network_helpers import SiteThread, dadfl_command, free_port, server_config, site_config, write_toml
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def records(run_dir):
+    path = run_dir / "metrics.jsonl"
+    return list(read_metrics(path)) if path.exists() else []
+
+
+def test_killed_server_resumes_from_its_checkpoint_and_sites_follow(tmp_path):
+    port, steps = free_port(), 150
+    config = server_config(
+        tmp_path,
+        listen={"address": f"127.0.0.1:{port}"},
+        training={"steps": steps, "eval_every": 50, "checkpoint_every": 5},
+        federation={"min_sites": 2, "phase_timeout_s": 10, "linger_s": 5},
+    )
+    toml = write_toml(tmp_path / "server.toml", config.model_dump(mode="json"))
+    run_dir = config.run_dir
+    sites = [
+        SiteThread(site_config(tmp_path, f"site-{i}", f"127.0.0.1:{port}", i, 2, connect={"max_attempts": 60, "backoff_max_s": 0.3})).start()
+        for i in range(2)
+    ]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    log = (tmp_path / "first.log").open("w+")
+    first = subprocess.Popen(dadfl_command("server", "--config", str(toml), "--insecure"), env=env, stderr=log, text=True)
+    try:
+        wait_for(lambda: len(records(run_dir)) >= 12 or first.poll() is not None, 60, "the first server to run 12 steps")
+        assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+    finally:
+        first.kill()
+    saved = records(run_dir)
+    assert len(saved) < steps, "the run finished before the kill: make it longer"
+    resumed_at = (len(saved) // 5) * 5
+    assert (run_dir / checkpoint.CHECKPOINT).exists() and not (run_dir / "checkpoint.pt.tmp").exists()
+
+    second = subprocess.run(dadfl_command("server", "--config", str(toml), "--insecure"), env=env, capture_output=True, text=True, timeout=120)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"at step {resumed_at}" in second.stderr or f"at step {resumed_at - 5}" in second.stderr, second.stderr[-3000:]
+    final = records(run_dir)
+    assert [r["step"] for r in final] == list(range(steps)), "every step exactly once, none lost, none doubled"
+    summaries = [s.join(60) for s in sites]
+    assert {s.fingerprint for s in summaries} == {final[-1]["fingerprint"]}
+    assert all(s.connections >= 2 for s in summaries)
+    assert (run_dir / checkpoint.FINAL_MODEL).exists()
+
+
+def test_resume_refuses_a_checkpoint_of_a_different_run(tmp_path):
+    config = server_config(tmp_path)
+    coordinator = Coordinator(config)
+    checkpoint.save_checkpoint(config.run_dir, coordinator.replica, 3, "abc", coordinator.identity)
+    assert Coordinator(config).step == 3
+    other = server_config(tmp_path, strategy={"name": "dad"})
+    with pytest.raises(ValueError, match="different strategy"):
+        Coordinator(other)
