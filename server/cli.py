@@ -54,14 +54,18 @@ def enroll(
     ca_cert: Path = typer.Option(Path("certs/ca.pem"), help="path of the CA certificate on the site's machine"),
     replace: bool = typer.Option(False, "--replace", help="issue a new token for an enrolled site (the old one stops working)"),
     out: Optional[Path] = typer.Option(None, help="write the site config here instead of printing it"),
+    demo_share: Optional[str] = typer.Option(
+        None, help="INDEX/COUNT: the site trains on share INDEX of COUNT of the built-in workload's data (demos) instead of its own file"
+    ),
 ) -> None:
     """Issue a token for a site, store only its hash, print the site's config."""
     try:
+        share = parse_share(demo_share) if demo_share else None
         settings = load_config(config, ServerConfig)
         token = issue_token(settings.listen.tokens, site_id, replace=replace)
     except (ConfigError, ValueError) as exc:
         _fail(str(exc))
-    text = site_config_text(site_id, token, address or settings.listen.address, ca_cert)
+    text = site_config_text(site_id, token, address or settings.listen.address, ca_cert, share)
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)
@@ -71,7 +75,35 @@ def enroll(
         typer.echo(text)
 
 
-def site_config_text(site_id: str, token: str, address: str, ca_cert: Path) -> str:
+def parse_share(text: str) -> tuple[int, int]:
+    index, _, count = text.partition("/")
+    try:
+        share = int(index), int(count)
+    except ValueError:
+        share = (-1, 0)
+    if not 0 <= share[0] < share[1]:
+        raise ValueError(f"--demo-share {text!r} must look like INDEX/COUNT with 0 <= INDEX < COUNT, e.g. 0/2")
+    return share
+
+
+def site_config_text(site_id: str, token: str, address: str, ca_cert: Path, share: tuple[int, int] | None = None) -> str:
+    if share:
+        data = f"""\
+[data]
+# Demo data: share {share[0]} of {share[1]} of the built-in workload's training set.
+source = "partition"
+scheme = "iid"
+site_index = {share[0]}
+num_sites = {share[1]}
+seed = 0
+"""
+    else:
+        data = f"""\
+[data]
+# This site's own data: a .npz with arrays 'inputs' and 'targets' (or a .pt dict of tensors).
+source = "file"
+path = "data/{site_id}.npz"
+"""
     return f"""\
 # Site config of {site_id!r}, issued by `dadfl enroll`. The token is shown only once:
 # the server keeps only its hash. Keep this file private.
@@ -84,11 +116,7 @@ threads = 0       # torch CPU threads; 0 keeps torch's default
 server = "{address}"
 ca_cert = "{ca_cert}"
 
-[data]
-# This site's own data: a .npz with arrays 'inputs' and 'targets' (or a .pt dict of tensors).
-source = "file"
-path = "data/{site_id}.npz"
-"""
+{data}"""
 
 
 def certs(

@@ -55,6 +55,18 @@ def test_enroll_command_prints_a_valid_site_config(tmp_path):
     assert "sha256" in json.loads((tmp_path / "tokens.json").read_text())["sites"]["hospital-a"]
 
 
+def test_enroll_demo_share_gives_a_partition_and_bad_shares_are_refused(tmp_path):
+    server_toml = tmp_path / "server.toml"
+    server_toml.write_text(f'[listen]\naddress = "0.0.0.0:50051"\ntokens = "{tmp_path / "tokens.json"}"\n')
+    result = CliRunner().invoke(app, ["enroll", "b", "--config", str(server_toml), "--demo-share", "1/3"])
+    assert result.exit_code == 0, result.output
+    site = SiteConfig.model_validate(tomllib.loads(result.output))
+    assert (site.data.source, site.data.site_index, site.data.num_sites) == ("partition", 1, 3)
+    result = CliRunner().invoke(app, ["enroll", "c", "--config", str(server_toml), "--demo-share", "3/3"])
+    assert result.exit_code == 2 and "INDEX/COUNT" in result.output
+    assert "c" not in json.loads((tmp_path / "tokens.json").read_text())["sites"], "a refused enrolment stores nothing"
+
+
 def test_unknown_sites_and_bad_tokens_are_refused_and_the_run_goes_on(tmp_path):
     server = ServerThread(server_config(tmp_path, training={"steps": 2}, federation={"min_sites": 1})).start()
     good = site_config(tmp_path, "good", server.endpoint, 0, 1)
