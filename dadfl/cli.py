@@ -69,7 +69,7 @@ def sim(
         fail(str(exc))
         return
 
-    runners = {"inprocess": simulate, "processes": simulate_processes}
+    runners = {"inprocess": simulate, "processes": simulate_processes, "flower": _simulate_flower}
     if mode not in runners:
         fail(f"--mode {mode!r} is not one of {', '.join(runners)}")
     specs = _applicable(settings, explicit)
@@ -89,6 +89,14 @@ def sim(
     plots = write_plots(run_dir)
     console.print(summary_table(summaries))
     console.print(f"metrics: {run_dir / 'metrics.jsonl'}; plots: {', '.join(p.name for p in plots)}")
+
+
+def _simulate_flower(settings: SimulationConfig, spec: StrategySpec, metrics: MetricsWriter, progress) -> dict:
+    try:
+        from .flower import simulate_flower  # flwr is optional
+    except ImportError as exc:
+        fail(f"--mode flower needs Flower's simulation engine: pip install 'dadfl[flower]' ({exc})")
+    return simulate_flower(settings, spec, metrics, progress)
 
 
 def _toml_keys(path: Path) -> set[str]:

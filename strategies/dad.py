@@ -135,8 +135,11 @@ class DAD(Strategy):
             raise ValueError(f"dad: downlink={self.downlink!r} must be 'dense' or 'factors'")
         check_raw_input(self.raw_input)
 
+    def sends_factors(self, layer: CapturedLayer, rows: int) -> bool:
+        return may_share(layer, self.raw_input, "activations")
+
     def site(self, layout: Layout, model=None) -> FactorSite:
-        return FactorSite(layout, lambda layer, rows: may_share(layer, self.raw_input, "activations"))
+        return FactorSite(layout, self.sends_factors)
 
     def server(self, layout: Layout, model=None) -> FactorServer:
         return FactorServer(layout, self.downlink)

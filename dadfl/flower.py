@@ -1,0 +1,665 @@
+"""The strategies as a Flower (``flwr`` 1.41) ServerApp/ClientApp pair, for sites that run Flower.
+
+A thin runtime: the strategy code does all the math, exactly as in the in-process
+simulation (``strategies.step.exchange`` is the loop mirrored here). One training step:
+
+1. the ServerApp sends every node a ``train.step`` message: the step number, the run
+   settings (workload, strategy, optimizer, batch size, seed), the node's partition index
+   (its position in the sorted list of node ids), and the fingerprint of the weights the
+   node must hold;
+2. the node (ClientApp) runs forward/backward on its batch of that step and replies with
+   its phase-0 payload; the server aggregates the payloads in node order (reproducible
+   sums) and sends the message back as ``train.phase``; the node replies with the next
+   phase's payload (PowerSGD has two phases) or, after the last phase, applies the
+   decoded update and replies with its weights fingerprint;
+3. the server applies the same messages to its own replica and checks every node's
+   fingerprint against its own.
+
+Payload tensors travel in Flower's own records: an ``ArrayRecord`` keyed by payload key
+(``"<name>:<role>"``, one numpy array each) and a ``ConfigRecord`` header with step,
+phase and num_samples. Bytes in the metrics are the exact payload bytes, as everywhere
+else (``dadfl.metrics``); Flower's npy framing is not counted.
+
+**Node state.** Flower runs the ClientApp wherever it likes: in a simulation each message
+goes to any Ray actor, in a deployment every message starts a fresh ``flwr-clientapp``
+process. So a node keeps its replica in ``context.state``, which Flower keeps on the node
+for the run and hands to each invocation (it is never sent to the server): weights and
+optimizer state as an ``ArrayRecord``, the server messages of the step under way, and the
+strategy's site half pickled (PowerSGD error feedback and warm start, rank-dAD warm
+start). A half that cannot be pickled (a user strategy's, say) is rebuilt from the
+strategy at each message, which restarts any state it kept.
+
+**Resync.** A node whose state is missing (a new or restarted SuperNode) or whose weights
+differ from the server's answers ``need_state`` (or ``lost`` in the middle of a step).
+The server then restarts the step: every node gets the server's full state (weights and
+optimizer state) and rebuilds its site half, and the server rebuilds its server half, so
+all participants describe the same federation. Exactness is unaffected; strategy state
+(PowerSGD error memory and warm start, rank-dAD warm start) restarts from scratch, as in
+the gRPC runtime. Nodes that fail or do not answer stop the run with an error: this
+integration has no dropout tolerance (the gRPC runtime, ``dadfl server``, has).
+
+Flower's deployment engine polls every 3 s, so each round trip (1 + number of phases
+per step) costs seconds; use Flower to join existing federations and the gRPC runtime
+for speed. Entry points: :func:`make_flower_apps`, :func:`simulate_flower` and
+:func:`run_flower_simulation` (``flwr.simulation.run_simulation`` with N supernodes;
+``dadfl sim --mode flower``), and the module-level ``server_app`` / ``client_app`` for
+``flwr run`` (settings from the run config).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import pickle
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+# Flower reads this once, on first import: no usage reports from sites unless a user opts in
+# by setting it to 1 (in a deployment, the SuperLink's and SuperNodes' own environment decides).
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict  # noqa: E402
+from flwr.clientapp import ClientApp  # noqa: E402
+from flwr.serverapp import Grid, ServerApp  # noqa: E402
+
+from dadfl.protos.state import load_state, state_payload
+from dadfl.strategies import Payload, make_strategy, weights_fingerprint
+from dadfl.workloads import Split, Workload, load_workload, partition, site_batches
+
+from .config import load_config, validate_config
+from .metrics import MetricsWriter
+from .replica import Replica, resolve_device
+from .simulation import Progress, SimulationConfig, StrategySpec, run_directory
+
+log = logging.getLogger("dadfl.flower")
+
+STEP_MESSAGE = "train.step"  # begins a step (optionally carrying the server's full state)
+PHASE_MESSAGE = "train.phase"  # one aggregated server message of the step
+
+HEADER = "dadfl.header"  # ConfigRecord: step, phase, num_samples and per-kind fields
+TENSORS = "dadfl.tensors"  # ArrayRecord: payload tensors by "<name>:<role>"
+STATE = "dadfl.state"  # ArrayRecord in a step message: the server's weights and optimizer state
+
+# Replies
+PAYLOAD = "payload"  # TENSORS holds the next phase's payload
+DONE = "done"  # the node applied the update; the header holds its fingerprint
+NEED_STATE = "need_state"  # the node's weights are missing or differ from the server's
+LOST = "lost"  # the node lost the step under way (state gone mid-step)
+
+# Node-local records in context.state (never leave the node)
+NODE_INFO = "dadfl.node"
+NODE_WEIGHTS = "dadfl.node.weights"
+NODE_MESSAGE = "dadfl.node.message.{}"  # the server messages of the step under way, by phase
+
+NODE_WAIT_S = 300.0  # how long the ServerApp waits for enough SuperNodes to connect
+REPLY_TIMEOUT_S = 600.0  # a fresh flwr-clientapp process imports torch and loads the workload
+MAX_ATTEMPTS_PER_STEP = 3
+
+# Keys a Flower run config may set besides the SimulationConfig fields (dashes or underscores).
+RUN_CONFIG_EXTRAS = ("config", "strategy", "out")
+
+
+# ----------------------------------------------------------------------------- records
+
+
+def record_from_tensors(tensors: dict[str, torch.Tensor]) -> ArrayRecord:
+    """Payload tensors as Flower arrays (numpy ``.npy`` bytes: dtype, shape, exact values)."""
+    arrays = {}
+    for key, tensor in tensors.items():
+        try:
+            arrays[key] = Array(tensor.detach().cpu().numpy())
+        except TypeError as exc:  # bfloat16 has no numpy dtype
+            raise TypeError(
+                f"tensor {key!r} has dtype {tensor.dtype}, which Flower's numpy arrays cannot hold; "
+                "train in float32/float16 to use the Flower runtime"
+            ) from exc
+    return ArrayRecord(arrays)
+
+
+def tensors_from_record(record: ArrayRecord) -> dict[str, torch.Tensor]:
+    # np.load from bytes gives read-only arrays; torch wants writable memory.
+    return {key: torch.from_numpy(np.array(array.numpy(), copy=True)) for key, array in record.items()}
+
+
+def payload_content(payload: Payload, **header: Any) -> RecordDict:
+    fields = {"step": payload.step, "phase": payload.phase, "num_samples": payload.num_samples, **header}
+    return RecordDict({HEADER: ConfigRecord(fields), TENSORS: record_from_tensors(payload.tensors)})
+
+
+def payload_from_content(content: RecordDict) -> Payload:
+    header = content.config_records[HEADER]
+    tensors = tensors_from_record(content.array_records[TENSORS]) if TENSORS in content.array_records else {}
+    return Payload(int(header["step"]), int(header["phase"]), int(header["num_samples"]), tensors)
+
+
+# ----------------------------------------------------------------------------- run settings
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What the server tells every node: the simulation settings and the one strategy."""
+
+    config: SimulationConfig
+    spec: StrategySpec
+
+    def to_json(self) -> str:
+        return json.dumps({"config": self.config.model_dump(mode="json"), "strategy": self.spec.model_dump(mode="json")})
+
+    @classmethod
+    def from_json(cls, text: str) -> "RunSettings":
+        data = json.loads(text)
+        return cls(SimulationConfig.model_validate(data["config"]), StrategySpec.model_validate(data["strategy"]))
+
+
+def settings_from_run_config(run_config: dict[str, Any]) -> tuple[RunSettings, Path]:
+    """Settings for ``flwr run`` from the Flower run config; returns them and the metrics folder.
+
+    ``config`` names a simulation TOML (``configs/simulation.toml``), ``strategy`` is one
+    strategy spec (``"powersgd:rank=4"``, default ``"dad"``), ``out`` the folder for run
+    directories (default ``runs``); any scalar SimulationConfig field (``workload``,
+    ``sites``, ``steps``, ``batch-size``, ``seed`` ...) overrides the file.
+    """
+    values = {key.replace("-", "_"): value for key, value in run_config.items()}
+    unknown = sorted(set(values) - set(RUN_CONFIG_EXTRAS) - set(SimulationConfig.model_fields))
+    if unknown:
+        raise ValueError(
+            f"Flower run config has unknown key(s) {', '.join(map(repr, unknown))}; dadfl reads "
+            f"{', '.join(RUN_CONFIG_EXTRAS)} and the fields of SimulationConfig (see configs/simulation.toml)"
+        )
+    path = values.pop("config", None)
+    base = load_config(path, SimulationConfig).model_dump() if path else SimulationConfig().model_dump()
+    spec = StrategySpec.parse(str(values.pop("strategy", "dad")))
+    out = Path(str(values.pop("out", "runs")))
+    base.update(values)
+    base["strategies"] = [spec.model_dump()]
+    config = validate_config(base, SimulationConfig, source=f"Flower run config{f' ({path})' if path else ''}")
+    return RunSettings(config, spec), out
+
+
+# ----------------------------------------------------------------------------- node (ClientApp)
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_workload(name: str, options_json: str) -> Workload:
+    """One workload per process: loading data costs seconds, and a workload is pure (seeded)."""
+    return load_workload(name, **json.loads(options_json))
+
+
+def workload_for(config: SimulationConfig) -> Workload:
+    return _cached_workload(config.workload, json.dumps(config.workload_options, sort_keys=True))
+
+
+# Minibatch streams by (run, node, partition index): where the last message left them.
+# Only a shortcut; a process that lacks one rebuilds it and skips to the step's batch.
+_batch_streams: dict[tuple[int, int, int], tuple[Iterator[tuple[torch.Tensor, torch.Tensor]], int]] = {}
+
+
+def _read_data_file(path: Path) -> Split:
+    from dadfl.client.site import read_data_file  # the gRPC site's reader: same file formats
+
+    if not path.is_file():
+        raise ValueError(f"node config data-path={str(path)!r}: no such file on this SuperNode")
+    try:
+        return read_data_file(path)
+    except ValueError as exc:
+        raise ValueError(f"node config data-path: {exc}") from exc
+
+
+def site_data(
+    config: SimulationConfig, workload: Workload, node_config: dict, partition_index: int
+) -> tuple[Split, torch.Tensor]:
+    """The node's training samples: its own file (node config ``data-path``) or its partition."""
+    if "data-path" in node_config:
+        split = _read_data_file(Path(str(node_config["data-path"])))
+        return split, torch.arange(len(split))
+    indices = partition(
+        config.sites, len(workload.train), config.partition, labels=workload.labels, alpha=config.alpha, seed=config.seed
+    )
+    return workload.train, indices[partition_index]
+
+
+def batch_for_step(
+    context: Context, config: SimulationConfig, workload: Workload, partition_index: int, step: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``step``-th minibatch of the node's stream: the batch the in-process simulation draws
+    for the site at that step, whichever process asks (a restarted step gets the same batch)."""
+    key = (context.run_id, context.node_id, partition_index)
+    for stale in [k for k in _batch_streams if k[0] != context.run_id]:
+        del _batch_streams[stale]  # a long-lived worker serves run after run
+    stream, position = _batch_streams.get(key, (None, step + 1))
+    if stream is None or position > step:
+        split, index = site_data(config, workload, context.node_config, partition_index)
+        stream, position = site_batches(split, index, config.batch_size, seed=config.seed + partition_index), 0
+    for _ in range(step - position):
+        next(stream)
+    batch = next(stream)
+    _batch_streams[key] = (stream, step + 1)
+    return batch
+
+
+@dataclass
+class NodeReplica:
+    """One node's replica between messages, and the server messages of the step under way."""
+
+    settings_json: str  # as the server sent it: compared to spot another run's state
+    settings: RunSettings
+    replica: Replica
+    step: int = -1  # the step under way; -1 between steps
+    messages: list[Payload] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, settings_json: str, node_config: dict) -> "NodeReplica":
+        """A fresh replica: seeded initial weights, as the server's at step 0."""
+        settings = RunSettings.from_json(settings_json)
+        torch.set_num_threads(int(node_config.get("threads", settings.config.threads)))
+        device = resolve_device(str(node_config.get("device", settings.config.device)))
+        strategy = make_strategy(settings.spec.name, **settings.spec.options)
+        return cls(settings_json, settings, Replica(workload_for(settings.config), strategy, settings.config.optimizer, device))
+
+    def save(self, context: Context, weights: bool) -> None:
+        """Write this node into ``context.state``; ``weights`` only when they changed."""
+        if weights:
+            context.state[NODE_WEIGHTS] = record_from_tensors(state_payload(self.replica, self.step).tensors)
+        for key in [k for k in context.state.array_records if k.startswith(NODE_MESSAGE.format(""))]:
+            del context.state[key]
+        for phase, message in enumerate(self.messages):
+            context.state[NODE_MESSAGE.format(phase)] = record_from_tensors(message.tensors)
+        context.state[NODE_INFO] = ConfigRecord(
+            {
+                "settings": self.settings_json,
+                "step": self.step,
+                "message_num_samples": [m.num_samples for m in self.messages],
+                "half": _pickled_half(self.replica.half),
+            }
+        )
+
+    @classmethod
+    def restore(cls, context: Context) -> "NodeReplica | None":
+        """The node as the last message left it, or None when ``context.state`` has none."""
+        if NODE_INFO not in context.state.config_records or NODE_WEIGHTS not in context.state.array_records:
+            return None
+        info = context.state.config_records[NODE_INFO]
+        node = cls.build(str(info["settings"]), context.node_config)
+        load_state(node.replica, Payload(0, 0, 0, tensors_from_record(context.state.array_records[NODE_WEIGHTS])))
+        half = bytes(info["half"])
+        if half:
+            # Node-local bytes this node wrote itself (context.state never comes from the network).
+            node.replica.half = pickle.loads(half)
+        node.step = int(info["step"])
+        records = context.state.array_records
+        node.messages = [
+            Payload(node.step, phase, int(num_samples), tensors_from_record(records[NODE_MESSAGE.format(phase)]))
+            for phase, num_samples in enumerate(info["message_num_samples"])
+        ]
+        return node
+
+
+def _pickled_half(half: Any) -> bytes:
+    try:
+        return pickle.dumps(half, protocol=pickle.HIGHEST_PROTOCOL)
+    except (pickle.PicklingError, AttributeError, TypeError):
+        return b""  # rebuilt from the strategy at the next message (module docstring)
+
+
+def _reply(message: Message, status: str, payload: Payload | None = None, **header: Any) -> Message:
+    if payload is None:
+        content = RecordDict({HEADER: ConfigRecord({"status": status, **header})})
+    else:
+        content = payload_content(payload, status=status, **header)
+    return Message(content, reply_to=message)
+
+
+def handle_step(message: Message, context: Context) -> Message:
+    """``train.step``: check the weights (or load the server's full state), run
+    forward/backward on this step's batch, reply with the phase-0 payload."""
+    header = message.content.config_records[HEADER]
+    step, settings_json = int(header["step"]), str(header["settings"])
+    state = message.content.array_records[STATE] if STATE in message.content.array_records else None
+    node = NodeReplica.restore(context) if state is None else None
+    if node is None or node.settings_json != settings_json:
+        # Nothing kept, state of other settings, or a resync: a fresh replica and site half.
+        node = NodeReplica.build(settings_json, context.node_config)
+    if state is not None:
+        load_state(node.replica, Payload(step, 0, 0, tensors_from_record(state)))
+    layout = node.replica.layout.fingerprint()
+    if layout != header["layout"]:
+        raise ValueError(
+            f"node {context.node_id}: model layout {layout} differs from the server's {header['layout']}; "
+            "install the same dadfl version and workload (and its options) on every site and the server"
+        )
+    fingerprint = weights_fingerprint(node.replica.model)
+    if fingerprint != header["fingerprint"]:
+        return _reply(message, NEED_STATE, fingerprint=fingerprint)
+    partition_index = int(header["partition_index"])
+    inputs, targets = batch_for_step(context, node.settings.config, node.replica.workload, partition_index, step)
+    local = node.replica.local(inputs, targets)
+    payload = node.replica.half.begin(local, step)
+    node.step, node.messages = step, []
+    node.save(context, weights=True)  # forward passes move normalisation statistics
+    return _reply(message, PAYLOAD, payload, loss_sum=float(local.loss_sum))
+
+
+def handle_phase(message: Message, context: Context) -> Message:
+    """``train.phase``: take the server's message; reply with the next payload, or apply the
+    step's messages and reply with the weights fingerprint."""
+    server_message = payload_from_content(message.content)
+    node = NodeReplica.restore(context)
+    if node is None or node.step != server_message.step or len(node.messages) != server_message.phase:
+        return _reply(message, LOST, step=server_message.step, phase=server_message.phase)
+    server_message = server_message.to(node.replica.device)
+    node.messages.append(server_message)
+    reply = node.replica.half.receive(server_message)
+    if reply is not None:
+        node.save(context, weights=False)
+        return _reply(message, PAYLOAD, reply)
+    fingerprint = node.replica.apply(node.messages)
+    node.step, node.messages = -1, []
+    node.save(context, weights=True)
+    return _reply(message, DONE, step=server_message.step, fingerprint=fingerprint)
+
+
+def make_client_app() -> ClientApp:
+    """The ClientApp every node runs; it takes all settings from the server's messages."""
+    app = ClientApp()
+    app.train("step")(handle_step)
+    app.train("phase")(handle_phase)
+    return app
+
+
+# ----------------------------------------------------------------------------- server (ServerApp)
+
+
+class FlowerRunError(RuntimeError):
+    """A node failed, did not answer, or its state could not be repaired; the message says which."""
+
+
+@dataclass
+class StepResult:
+    messages: list[Payload]
+    samples: int
+    loss_sum: float
+    bytes_up: int
+    bytes_down: int
+    phase_seconds: list[float]
+    fingerprints: dict[int, str]  # by node id, after the step
+
+
+class FlowerCoordinator:
+    """The ServerApp's loop: the coordinator replica, the server half, one step at a time."""
+
+    def __init__(self, settings: RunSettings, grid: Grid, metrics: MetricsWriter, progress: Progress | None = None):
+        self.settings, self.grid, self.metrics, self.progress = settings, grid, metrics, progress
+        self.config, self.spec = settings.config, settings.spec
+        self.settings_json = settings.to_json()
+        torch.set_num_threads(self.config.threads)
+        self.strategy = make_strategy(self.spec.name, **self.spec.options)
+        device = resolve_device(self.config.device)
+        self.replica = Replica(workload_for(self.config), self.strategy, self.config.optimizer, device)
+        self.server_half = self.strategy.server(self.replica.layout, self.replica.model)
+        self.fingerprint = weights_fingerprint(self.replica.model)
+        self.nodes: list[int] = []
+
+    def wait_for_nodes(self) -> list[int]:
+        """The first ``sites`` node ids in sorted order; a node's position is its partition index."""
+        deadline = time.monotonic() + NODE_WAIT_S
+        while len(connected := sorted(self.grid.get_node_ids())) < self.config.sites:
+            if time.monotonic() > deadline:
+                raise FlowerRunError(
+                    f"only {len(connected)} of the {self.config.sites} SuperNodes this run needs (sites) connected "
+                    f"within {NODE_WAIT_S:g} s; start more SuperNodes or lower sites"
+                )
+            time.sleep(0.5)
+        return connected[: self.config.sites]
+
+    def run(self) -> dict[str, Any]:
+        """Train for ``config.steps`` steps; write one record per step; return a summary."""
+        self.nodes = self.wait_for_nodes()
+        log.info("dadfl over Flower: %s on nodes %s", self.spec.display, self.nodes)
+        summary: dict[str, Any] = {"strategy": self.spec.display, "steps": self.config.steps, "bytes_up": 0, "bytes_down": 0}
+        seconds = 0.0
+        for step in range(self.config.steps):
+            started = time.perf_counter()
+            result, attempt = None, 0
+            while result is None:
+                if attempt == MAX_ATTEMPTS_PER_STEP:
+                    raise FlowerRunError(f"step {step}: nodes kept losing their state after {attempt} attempts")
+                result = self.run_step(step, resync=attempt > 0)
+                attempt += 1
+            self.fingerprint = self.replica.apply(result.messages)
+            elapsed = time.perf_counter() - started
+            seconds += elapsed
+            mismatched = [str(node) for node, fp in result.fingerprints.items() if fp != self.fingerprint]
+            if mismatched:
+                log.warning("step %d: nodes %s ended with other weights; they resync next step", step, ", ".join(mismatched))
+            record = {
+                "strategy": self.spec.display,
+                "step": step,
+                "sites": len(self.nodes),
+                "samples": result.samples,
+                "train_loss": result.loss_sum / result.samples,
+                "bytes_up": result.bytes_up,
+                "bytes_down": result.bytes_down,
+                "seconds": elapsed,
+                "fingerprint": self.fingerprint,
+                "phase_seconds": result.phase_seconds,
+                "site_ids": [str(node) for node in self.nodes],
+                "attempt": attempt - 1,
+                "fingerprint_mismatches": mismatched,
+                **self.strategy.describe(self.replica.layout, result.messages),
+            }
+            if (step + 1) % self.config.eval_every == 0 or step + 1 == self.config.steps:
+                record.update({f"test_{k}": v for k, v in self.replica.evaluate().items()})
+            self.metrics.write(record)
+            summary["bytes_up"] += record["bytes_up"]
+            summary["bytes_down"] += record["bytes_down"]
+            if self.progress:
+                self.progress(step)
+        final = self.replica.evaluate()
+        metric_name = self.replica.workload.metric_name
+        summary.update(
+            {
+                "metric_name": metric_name,
+                "metric": final[metric_name],
+                "test_loss": final["loss"],
+                "bytes_up_per_step": summary["bytes_up"] / self.config.steps,
+                "bytes_down_per_step": summary["bytes_down"] / self.config.steps,
+                "seconds_per_step": seconds / self.config.steps,
+            }
+        )
+        return summary
+
+    def run_step(self, step: int, resync: bool) -> StepResult | None:
+        """All phases of one step, as ``exchange`` runs them; None when a node lost its state.
+
+        The server has then applied nothing; the restart (``resync``) sends every node the
+        full state, which also undoes what nodes that finished the step had applied.
+        """
+        if resync:
+            self.server_half = self.strategy.server(self.replica.layout, self.replica.model)
+        phase_started = time.perf_counter()
+        replies = self.round(step, 0, STEP_MESSAGE, self.step_content(step, resync))
+        if self.needs_restart(step, replies, state_sent=resync):
+            return None
+        payloads = [payload_from_content(reply.content).to(self.replica.device) for reply in replies]
+        samples = sum(p.num_samples for p in payloads)
+        loss_sum = sum(float(reply.content.config_records[HEADER]["loss_sum"]) for reply in replies)
+        messages, phase_seconds, bytes_up, bytes_down = [], [], 0, 0
+        while True:
+            bytes_up += sum(p.nbytes() for p in payloads)
+            message = self.server_half.aggregate(payloads)
+            messages.append(message)
+            bytes_down += message.nbytes() * len(self.nodes)
+            content = payload_content(message)
+            replies = self.round(step, message.phase, PHASE_MESSAGE, lambda _: content)
+            phase_seconds.append(time.perf_counter() - phase_started)
+            phase_started = time.perf_counter()
+            if self.needs_restart(step, replies, state_sent=False):
+                return None
+            statuses = {str(reply.content.config_records[HEADER]["status"]) for reply in replies}
+            if statuses == {DONE}:
+                headers = [reply.content.config_records[HEADER] for reply in replies]
+                fingerprints = {node: str(header["fingerprint"]) for node, header in zip(self.nodes, headers)}
+                return StepResult(messages, samples, loss_sum, bytes_up, bytes_down, phase_seconds, fingerprints)
+            if statuses != {PAYLOAD}:
+                raise FlowerRunError(f"step {step}: nodes disagree on the number of phases ({sorted(statuses)})")
+            payloads = [payload_from_content(reply.content).to(self.replica.device) for reply in replies]
+
+    def step_content(self, step: int, with_state: bool) -> Callable[[int], RecordDict]:
+        """The ``train.step`` content for the node at each position. With the full state (a
+        resync) every node rebuilds its replica and site half: strategy state restarts."""
+        state = record_from_tensors(state_payload(self.replica, step).tensors) if with_state else None
+        layout = self.replica.layout.fingerprint()
+
+        def content(position: int) -> RecordDict:
+            header = ConfigRecord(
+                {
+                    "step": step,
+                    "phase": 0,
+                    "num_samples": 0,
+                    "settings": self.settings_json,
+                    "partition_index": position,
+                    "fingerprint": self.fingerprint,
+                    "layout": layout,
+                }
+            )
+            records: dict[str, Any] = {HEADER: header}
+            if state is not None:
+                records[STATE] = state
+            return RecordDict(records)
+
+        return content
+
+    def needs_restart(self, step: int, replies: Sequence[Message], state_sent: bool) -> bool:
+        """Whether a node lost its state (the step restarts); an error if the state it was
+        just sent did not fix it."""
+        lost = [
+            (node, str(reply.content.config_records[HEADER]["status"]))
+            for node, reply in zip(self.nodes, replies)
+            if str(reply.content.config_records[HEADER]["status"]) in (NEED_STATE, LOST)
+        ]
+        if not lost:
+            return False
+        if state_sent:
+            raise FlowerRunError(
+                f"step {step}: nodes {', '.join(str(n) for n, _ in lost)} still differ after loading the server's state; "
+                "sites must compute on the same kind of device as the server for replicas to stay bit-identical"
+            )
+        log.warning("step %d: %s; sending every node the full state", step, ", ".join(f"node {n} {s}" for n, s in lost))
+        return True
+
+    def round(
+        self, step: int, phase: int, message_type: str, content_for: Callable[[int], RecordDict]
+    ) -> list[Message]:
+        """Send each node (by position) its message, wait for every reply; replies in node order."""
+        outgoing = [
+            Message(content_for(position), node, message_type, group_id=str(step))
+            for position, node in enumerate(self.nodes)
+        ]
+        replies = {reply.metadata.src_node_id: reply for reply in self.grid.send_and_receive(outgoing, timeout=REPLY_TIMEOUT_S)}
+        missing = [node for node in self.nodes if node not in replies]
+        if missing:
+            raise FlowerRunError(
+                f"step {step} phase {phase}: no reply from node(s) {', '.join(map(str, missing))} within {REPLY_TIMEOUT_S:g} s; "
+                "every node must answer every step over Flower (the gRPC runtime tolerates dropouts)"
+            )
+        for node in self.nodes:
+            if replies[node].has_error():
+                raise FlowerRunError(f"step {step} phase {phase}: node {node} failed: {replies[node].error.reason}")
+        return [replies[node] for node in self.nodes]
+
+
+@dataclass
+class FlowerApps:
+    """A ServerApp/ClientApp pair for one strategy; ``summary`` is set when the run ends."""
+
+    server_app: ServerApp
+    client_app: ClientApp
+    summary: dict[str, Any] | None = None
+
+
+def make_flower_apps(
+    config: SimulationConfig, spec: StrategySpec, metrics: MetricsWriter, progress: Progress | None = None
+) -> FlowerApps:
+    """Apps that train ``spec`` with ``config`` and write one record per step to ``metrics``."""
+    make_strategy(spec.name, **spec.options)  # unknown names or options fail here, not in a node
+    settings = RunSettings(config, spec)
+    apps = FlowerApps(ServerApp(), make_client_app())
+
+    @apps.server_app.main()
+    def main(grid: Grid, context: Context) -> None:
+        apps.summary = FlowerCoordinator(settings, grid, metrics, progress).run()
+
+    return apps
+
+
+def make_server_app() -> ServerApp:
+    """The ServerApp for ``flwr run``: settings from the run config (:func:`settings_from_run_config`);
+    writes ``config.json``, ``metrics.jsonl``, ``summary.json`` and plots to a new run directory."""
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        from .report import write_plots  # matplotlib: only the ServerApp needs it
+
+        settings, out = settings_from_run_config(dict(context.run_config))
+        run_dir = run_directory(out, f"flower-{context.run_id}")
+        (run_dir / "config.json").write_text(json.dumps(settings.config.model_dump(mode="json"), indent=2))
+        with MetricsWriter(run_dir / "metrics.jsonl") as metrics:
+            summary = FlowerCoordinator(settings, grid, metrics).run()
+        (run_dir / "summary.json").write_text(json.dumps([summary], indent=2))
+        write_plots(run_dir)
+        log.info("dadfl over Flower: %s -> %s", summary, run_dir)
+
+    return app
+
+
+server_app = make_server_app()
+client_app = make_client_app()
+
+
+def simulate_flower(
+    config: SimulationConfig,
+    spec: StrategySpec,
+    metrics: MetricsWriter,
+    progress: Progress | None = None,
+    actors: int | None = None,
+) -> dict[str, Any]:
+    """Train ``spec`` with Flower's simulation engine (Ray) and ``config.sites`` supernodes.
+
+    The counterpart of :func:`dadfl.simulation.simulate`: the same records into ``metrics``,
+    the same summary. ``actors`` Ray workers run the ClientApp (default: one per site, at
+    most one per CPU core).
+    """
+    from flwr.simulation import run_simulation
+
+    actors = actors or max(1, min(config.sites, os.cpu_count() or 1))
+    # Ray hides GPUs from actors that request none; replicas must compute on one kind of device.
+    gpu_share = 1.0 / actors if resolve_device(config.device).type == "cuda" else 0.0
+    backend_config = {
+        "client_resources": {"num_cpus": 1, "num_gpus": gpu_share},
+        "init_args": {"num_cpus": actors, "num_gpus": 1 if gpu_share else 0},
+    }
+    apps = make_flower_apps(config, spec, metrics, progress)
+    run_simulation(apps.server_app, apps.client_app, num_supernodes=config.sites, backend_config=backend_config)
+    if apps.summary is None:
+        raise FlowerRunError("the Flower simulation ended before the ServerApp finished; see the log above")
+    return apps.summary
+
+
+def run_flower_simulation(
+    config: SimulationConfig,
+    spec: StrategySpec,
+    run_dir: str | Path,
+    progress: Progress | None = None,
+    actors: int | None = None,
+) -> dict[str, Any]:
+    """:func:`simulate_flower` appending its records to ``run_dir/metrics.jsonl``."""
+    with MetricsWriter(Path(run_dir) / "metrics.jsonl") as metrics:
+        return simulate_flower(config, spec, metrics, progress, actors)
