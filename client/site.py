@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import threading
 import random
 import time
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ log = logging.getLogger("dadfl.site")
 
 PROTOCOL_VERSION = 1
 MAX_CHUNK_BYTES = 4 << 20  # the largest chunk_bytes a server config allows
+REQUEST_THREAD_EXIT_S = 5.0
 PERMANENT = {
     grpc.StatusCode.UNAUTHENTICATED,
     grpc.StatusCode.PERMISSION_DENIED,
@@ -112,10 +114,23 @@ class Session:
         self.step: cpb.StepBegin | None = None  # the step under way
         self.messages: list[Payload] = []
         self.waiting_for_sync = False
+        self.requests_started = False
+        self.requests_done = threading.Event()
 
     def requests(self) -> Iterator[cpb.SiteMessage]:
-        while (message := self.outgoing.get()) is not None:
-            yield message
+        self.requests_started = True
+        try:
+            while (message := self.outgoing.get()) is not None:
+                yield message
+        finally:
+            self.requests_done.set()
+
+    def close(self) -> None:
+        """End the request stream and wait for gRPC's sending thread to leave it: a
+        process that exits while that thread still runs aborts in gRPC's C++ core."""
+        self.outgoing.put(None)
+        if self.requests_started:
+            self.requests_done.wait(REQUEST_THREAD_EXIT_S)
 
     def send(self, **kind) -> None:
         self.outgoing.put(cpb.SiteMessage(**kind))
@@ -230,8 +245,8 @@ class Site:
                     return True
             return False
         finally:
-            session.outgoing.put(None)
             responses.cancel()
+            session.close()
 
 
 def open_channel(config: SiteConfig, insecure: bool) -> grpc.Channel:

@@ -55,7 +55,8 @@ def test_killed_server_resumes_from_its_checkpoint_and_sites_follow(tmp_path):
     saved = records(run_dir)
     assert len(saved) < steps, "the run finished before the kill: make it longer"
     resumed_at = (len(saved) // 5) * 5
-    assert (run_dir / checkpoint.CHECKPOINT).exists() and not (run_dir / "checkpoint.pt.tmp").exists()
+    # SIGKILL may land mid-write and leave checkpoint.pt.tmp; the renamed file is always whole.
+    assert (run_dir / checkpoint.CHECKPOINT).exists()
 
     second = subprocess.run(dadfl_command("server", "--config", str(toml), "--insecure"), env=env, capture_output=True, text=True, timeout=120)
     assert second.returncode == 0, second.stderr[-3000:]
