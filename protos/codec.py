@@ -14,6 +14,7 @@ use :func:`roundtrip` on its own copy to stay bit-identical with the receivers.
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass, field
 
@@ -199,8 +200,8 @@ def check_header(header: pb.PayloadHeader) -> None:
             raise WireError(f"{where}: a half-precision codec applies only to floating tensors")
         if len(meta.shape) > MAX_DIMS or any(d < 0 for d in meta.shape):
             raise WireError(f"{where}: invalid shape {tuple(meta.shape)}")
-        numel = int(np.prod(meta.shape, dtype=np.int64)) if meta.shape else 1
-        itemsize = _element_size(TORCH_DTYPES[meta.dtype] if meta.codec == pb.RAW else WIRE_DTYPE_OF_CODEC[meta.codec])
+        numel = math.prod(meta.shape)
+        itemsize = (TORCH_DTYPES[meta.dtype] if meta.codec == pb.RAW else WIRE_DTYPE_OF_CODEC[meta.codec]).itemsize
         if meta.nbytes != numel * itemsize:
             raise WireError(f"{where}: shape {tuple(meta.shape)} needs {numel * itemsize} bytes but {meta.nbytes} are declared")
         if meta.offset != expected_offset:
@@ -208,10 +209,6 @@ def check_header(header: pb.PayloadHeader) -> None:
         expected_offset += meta.nbytes
     if expected_offset != header.total_bytes:
         raise WireError(f"payload declares {header.total_bytes} bytes but its tensors occupy {expected_offset}")
-
-
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
 
 
 def decode_tensors(header: pb.PayloadHeader, buffer: np.ndarray) -> dict[str, torch.Tensor]:
@@ -223,7 +220,7 @@ def decode_tensors(header: pb.PayloadHeader, buffer: np.ndarray) -> dict[str, to
         if meta.nbytes == 0:
             flat = torch.empty(0, dtype=wire_dtype)
         else:
-            flat = torch.frombuffer(buffer, dtype=wire_dtype, count=meta.nbytes // _element_size(wire_dtype), offset=meta.offset)
+            flat = torch.frombuffer(buffer, dtype=wire_dtype, count=meta.nbytes // wire_dtype.itemsize, offset=meta.offset)
             if sys.byteorder != "little" and flat.element_size() > 1:
                 flat = torch.from_numpy(flat.numpy().byteswap())
         tensors[meta.key] = flat.reshape(tuple(meta.shape)).to(dtype)

@@ -6,15 +6,18 @@ drives the strategy's server half over the sites that are connected, in site-id 
 1. wait for a quorum (``min_sites``; ``initial_sites`` before the first step), send the
    current state (weights + optimizer state) to sites that joined since the last step;
 2. ``step_begin`` to every participant, then per phase: collect every participant's
-   upload (``phase_timeout_s`` each), check it, aggregate, send the message to all;
-3. when every participant reports ``step_done``, apply the same update to the server's
-   replica, log metrics, evaluate and checkpoint on schedule.
+   upload in the order they arrive (``phase_timeout_s``), check each as it comes,
+   aggregate, send the message to all;
+3. the first ``step_done`` commits the step (that site has applied the update): the
+   server applies the same update to its replica while the other sites apply theirs;
+   once every participant has reported, log metrics, evaluate and checkpoint on schedule.
 
 Dropouts: a site lost during phase 0 is left out and the step completes with the rest
 (the server half divides by the samples that arrived) if the quorum holds. A site lost
 after phase 0 of a multi-phase strategy, or a lost quorum, aborts the step: no replica
 has applied anything yet, so the step simply restarts (next ``attempt``) once a quorum
-is connected again. A site that reconnects receives the current state before its next step.
+is connected again. After the step is committed a lost site is only left out of the
+fingerprint check. A site that reconnects receives the current state before its next step.
 
 Strategy state across steps (PowerSGD error feedback and warm start, rank-dAD warm
 start) lives in the strategy's halves. Whenever the set of participants changes (a site
@@ -58,6 +61,8 @@ PROTOCOL_VERSION = 1
 GRPC_FRAME_BYTES = 5  # length prefix of every gRPC message
 HANDSHAKE_TIMEOUT_S = 120.0  # a site builds its replica between config and ready
 MAX_ATTEMPTS_PER_STEP = 5
+INLINE_BYTES = 1 << 20  # smaller work runs on the event loop: a hop to a worker thread costs more
+SKIP = object()  # an event that does not answer the current round
 
 
 class RunStopped(RuntimeError):
@@ -86,6 +91,7 @@ class StepResult:
     bytes_down: int
     phase_seconds: list[float]
     site_fingerprints: dict[str, str]
+    fingerprint: str  # the server's weights after applying the step
 
 
 class Coordinator(cpb_grpc.CoordinatorServicer):
@@ -113,6 +119,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         checkpoint.trim_metrics(self.run_dir / "metrics.jsonl", self.step)
         self.fingerprint = weights_fingerprint(self.replica.model)
         self.links: dict[str, SiteLink] = {}
+        self.arrivals: asyncio.Queue = asyncio.Queue()  # links with a new event, shared by all (see links.py)
         self.changed = asyncio.Event()
         self.finished = False
         self.known_sites: set[str] = set()  # every site that took part in this server's run
@@ -190,7 +197,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                 f"site {hello.site_id} built model layout {ready.layout_fingerprint} but the server has "
                 f"{self.layout.fingerprint()}: site and server must run the same dadfl, torch and workload code",
             )
-        link = SiteLink(hello.site_id, context.peer())
+        link = SiteLink(hello.site_id, context.peer(), self.arrivals)
         previous = self.links.get(link.site_id)
         if previous is not None:
             previous.close(grpc.StatusCode.ABORTED, f"site {link.site_id} connected again; this older stream is replaced")
@@ -226,12 +233,12 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                         link.close(grpc.StatusCode.INVALID_ARGUMENT, f"bad payload from site {link.site_id}: {exc}")
                         break
                     if assembled is not None:
-                        link.inbox.put_nowait(Upload(assembled))
+                        link.deliver(Upload(assembled))
                 elif kind == "step_done":
                     done = message.step_done
-                    link.inbox.put_nowait(Done(done.step, done.attempt, done.fingerprint))
+                    link.deliver(Done(done.step, done.attempt, done.fingerprint))
                 elif kind == "sync_request":
-                    link.inbox.put_nowait(SyncRequest(message.sync_request.step, message.sync_request.fingerprint))
+                    link.deliver(SyncRequest(message.sync_request.step, message.sync_request.fingerprint))
                 else:
                     link.close(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {kind or 'empty'} message after the handshake")
                     break
@@ -335,25 +342,33 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         phase = 0
         while True:
             started = time.perf_counter()
-            events = await asyncio.gather(*(self._next_event(link, step, attempt, phase) for link in active))
-            dones = {link.site_id: e.fingerprint for link, e in zip(active, events) if isinstance(e, Done)}
-            uploads = [(link, e.payload) for link, e in zip(active, events) if isinstance(e, Upload)]
-            lost = [link.site_id for link, e in zip(active, events) if e is None]
-            if dones:
-                if uploads:
-                    return self._abort(active, step, attempt, "sites disagree on the number of phases of this step")
-                return StepResult(active, messages, samples, loss_sum, bytes_up, bytes_down, phase_seconds, dones)
+            events, applying = {}, None
+            async for link, event in self._answers(active, step, attempt, phase):
+                events[link] = event
+                if isinstance(event, Done) and applying is None:
+                    # the site has applied the update: the step is over, apply it here while the others do
+                    applying = asyncio.ensure_future(self._off_loop(sum(m.nbytes() for m in messages), self.replica.apply, messages))
+            uploads = [(link, e.payload) for link, e in events.items() if isinstance(e, Upload)]
+            if applying is not None:
+                for link, _ in uploads:
+                    link.close(grpc.StatusCode.INVALID_ARGUMENT, f"site {link.site_id} sent a phase {phase} payload after the last phase of step {step}")
+                dones = {link.site_id: e.fingerprint for link, e in events.items() if isinstance(e, Done)}
+                fingerprint = await applying
+                return StepResult(active, messages, samples, loss_sum, bytes_up, bytes_down, phase_seconds, dones, fingerprint)
+            lost = [link.site_id for link, e in events.items() if e is None]
             if lost and phase > 0:
                 return self._abort(active, step, attempt, f"{', '.join(lost)} left after phase 0, which already counted them")
             if len(uploads) < min_sites:
                 return self._abort(active, step, attempt, f"only {len(uploads)} of the {min_sites} sites needed sent phase {phase}")
+            uploads.sort(key=lambda upload: upload[0].site_id)  # the server half sees sites in site-id order
             active = [link for link, _ in uploads]
             if phase == 0:
                 samples = sum(u.payload.num_samples for _, u in uploads)
                 loss_sum = sum(u.header.loss_sum for _, u in uploads)
-            bytes_up += sum(u.header.total_bytes for _, u in uploads)
+            upload_bytes = sum(u.header.total_bytes for _, u in uploads)
+            bytes_up += upload_bytes
             try:
-                message = await asyncio.to_thread(self.server_half.aggregate, [u.payload for _, u in uploads])
+                message = await self._off_loop(upload_bytes, self.server_half.aggregate, [u.payload for _, u in uploads])
             except Exception as exc:  # a strategy bug or an input the checks missed: keep the good state
                 log.exception("aggregation failed")
                 return self._abort(active, step, attempt, f"the {self.strategy.name} server half failed on phase {phase}: {exc}")
@@ -366,37 +381,65 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             phase_seconds.append(time.perf_counter() - started)
             phase += 1
 
-    async def _next_event(self, link: SiteLink, step: int, attempt: int, phase: int):
-        """The site's upload for this phase, or its step_done; None when it is gone or late."""
+    @staticmethod
+    async def _off_loop(nbytes: int, function, *args):
+        """``function(*args)`` in a worker thread when its data is large, so the site streams keep flowing."""
+        if nbytes < INLINE_BYTES:
+            return function(*args)
+        return await asyncio.to_thread(function, *args)
+
+    async def _answers(self, active: list[SiteLink], step: int, attempt: int, phase: int):
+        """Yield ``(link, answer)`` for every active site as answers arrive: its upload for
+        this phase or its step_done, None when it is gone or late (``phase_timeout_s``)."""
         timeout = self.config.federation.phase_timeout_s
         deadline = time.monotonic() + timeout
-        while True:
-            try:
-                event = await asyncio.wait_for(link.inbox.get(), max(deadline - time.monotonic(), 0))
-            except asyncio.TimeoutError:
-                link.close(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"site {link.site_id} sent nothing for step {step} phase {phase} within {timeout:g} s (federation.phase_timeout_s)",
-                )
-                return None
-            if isinstance(event, Closed):
-                log.warning("site %s lost during step %d phase %d: %s", link.site_id, step, phase, event.reason)
-                return None
-            if isinstance(event, SyncRequest):
-                log.warning("site %s has weights %s, resending the state", link.site_id, event.fingerprint[:12])
-                self._send(link, *self._state_messages())
-                continue
-            header_step = (event.step, event.attempt) if isinstance(event, Done) else (event.payload.header.step, event.payload.header.attempt)
-            if header_step < (step, attempt):
-                continue  # an answer to an aborted attempt: the site has moved on
-            if isinstance(event, Done):
-                return event
-            try:
-                self.check.check(event.payload, step, attempt, phase, self.fingerprint, self.config.training.batch_size)
-            except PayloadError as exc:
-                link.close(grpc.StatusCode.INVALID_ARGUMENT, f"site {link.site_id}, step {step} phase {phase}: {exc}")
+        waiting = set(active)
+        earlier = [link for link in active if not link.inbox.empty()]  # events that came before this round
+        while waiting:
+            if earlier:
+                link = earlier.pop()
+            elif not self.arrivals.empty():
+                link = self.arrivals.get_nowait()
+            else:
+                try:
+                    link = await asyncio.wait_for(self.arrivals.get(), max(deadline - time.monotonic(), 0))
+                except asyncio.TimeoutError:
+                    for link in sorted(waiting, key=lambda link: link.site_id):
+                        link.close(
+                            grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"site {link.site_id} sent nothing for step {step} phase {phase} within {timeout:g} s (federation.phase_timeout_s)",
+                        )
+                        yield link, None
+                    return
+            while link in waiting and not link.inbox.empty():  # not waiting: an event for a later round, it stays queued
+                answer = self._answer(link, link.inbox.get_nowait(), step, attempt, phase)
+                if answer is not SKIP:
+                    waiting.discard(link)
+                    yield link, answer
+
+    def _answer(self, link: SiteLink, event, step: int, attempt: int, phase: int):
+        """What ``event`` means for the round: the event itself, None (the site is dropped) or SKIP."""
+        if isinstance(event, Closed):
+            log.warning("site %s lost during step %d phase %d: %s", link.site_id, step, phase, event.reason)
+            return None
+        if isinstance(event, SyncRequest):
+            log.warning("site %s has weights %s, resending the state", link.site_id, event.fingerprint[:12])
+            self._send(link, *self._state_messages())
+            return SKIP
+        header_step = (event.step, event.attempt) if isinstance(event, Done) else (event.payload.header.step, event.payload.header.attempt)
+        if header_step < (step, attempt):
+            return SKIP  # an answer to an aborted attempt: the site has moved on
+        if isinstance(event, Done):
+            if phase == 0:
+                link.close(grpc.StatusCode.INVALID_ARGUMENT, f"site {link.site_id} reported step {step} done before uploading its phase 0 payload")
                 return None
             return event
+        try:
+            self.check.check(event.payload, step, attempt, phase, self.fingerprint, self.config.training.batch_size)
+        except PayloadError as exc:
+            link.close(grpc.StatusCode.INVALID_ARGUMENT, f"site {link.site_id}, step {step} phase {phase}: {exc}")
+            return None
+        return event
 
     def _abort(self, links: list[SiteLink], step: int, attempt: int, reason: str) -> None:
         log.warning("step %d attempt %d aborted: %s", step, attempt, reason)
@@ -409,7 +452,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
 
     async def _finish_step(self, result: StepResult, attempt: int, started: float, metrics: MetricsWriter) -> None:
         step, steps = self.step, self.config.training.steps
-        self.fingerprint = await asyncio.to_thread(self.replica.apply, result.messages)
+        self.fingerprint = result.fingerprint
         seconds = time.perf_counter() - started  # as the in-process simulation: evaluation excluded
         mismatched = sorted(site for site, fp in result.site_fingerprints.items() if fp != self.fingerprint)
         if mismatched:

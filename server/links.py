@@ -1,9 +1,11 @@
 """One connected site as the coordinator's step loop sees it: an inbox and an outbox.
 
 The gRPC handler of a site's stream (``Coordinator.Join``) reads the site's messages
-into ``inbox`` as events and writes whatever the step loop puts into ``outbox``. The
-step loop never touches gRPC objects; it waits on inboxes with timeouts and closes a
-link (with a status and a reason the site will see) to drop a site.
+into ``inbox`` as events and writes whatever the step loop puts into ``outbox``. Every
+event also puts its link into ``arrivals``, a queue shared by all links, so the step
+loop takes events in the order they arrive with a single wait (rather than one waiting
+task per site). The step loop never touches gRPC objects; it closes a link (with a
+status and a reason the site will see) to drop a site.
 """
 
 from __future__ import annotations
@@ -58,12 +60,17 @@ FINISH = object()  # outbox item: end the stream normally
 class SiteLink:
     site_id: str
     peer: str
+    arrivals: asyncio.Queue  # shared by every link: this link, once per event it receives
     inbox: asyncio.Queue = field(default_factory=asyncio.Queue)
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
     admitted: bool = False  # has received the current state and takes part in steps
     closed: bool = False
     wire_up: int = 0  # bytes of every message received / sent, gRPC framing included
     wire_down: int = 0
+
+    def deliver(self, event: Event) -> None:
+        self.inbox.put_nowait(event)
+        self.arrivals.put_nowait(self)
 
     def send(self, *messages: cpb.ServerMessage) -> None:
         for message in messages:
@@ -74,10 +81,10 @@ class SiteLink:
         if not self.closed:
             self.closed = True
             self.outbox.put_nowait(Close(code, reason))
-            self.inbox.put_nowait(Closed(reason))
+            self.deliver(Closed(reason))
 
     def gone(self, reason: str) -> None:
         """The stream ended from the site's side."""
         if not self.closed:
             self.closed = True
-            self.inbox.put_nowait(Closed(reason))
+            self.deliver(Closed(reason))

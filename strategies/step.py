@@ -134,5 +134,5 @@ def weights_fingerprint(model: nn.Module) -> str:
     digest = hashlib.sha256()
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
         digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())  # hashed in place, no copy
     return digest.hexdigest()
