@@ -118,3 +118,16 @@ def test_builtin_workloads_are_exact_under_dad_and_auto(workload_name):
         update = step_update(make_strategy(name), model, workload.loss, batches)
         errors = relative_errors(update, reference)
         assert max(errors.values()) <= 1e-5, (name, errors)
+
+
+def test_weights_fingerprint_sees_every_bit_including_buffers():
+    from dadfl.strategies import weights_fingerprint
+
+    model, twin = build("norm"), build("norm")
+    assert weights_fingerprint(model) == weights_fingerprint(twin), "same seed, same weights, same fingerprint"
+    with torch.no_grad():
+        twin.fc2.weight.view(-1)[3] = torch.nextafter(twin.fc2.weight.view(-1)[3], torch.tensor(1.0))
+    assert weights_fingerprint(model) != weights_fingerprint(twin), "one ulp in one weight"
+    twin = build("norm")
+    twin.bn.num_batches_tracked += 1  # a 0-dim integer buffer
+    assert weights_fingerprint(model) != weights_fingerprint(twin)
