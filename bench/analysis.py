@@ -1,0 +1,341 @@
+"""Per-step records of every cell -> statistics over seeds, the targets, and dominance.
+
+Definitions (the report states them too):
+
+- **Bytes** are exact payload bytes. Per step, ``up`` sums what every site sent and
+  ``down`` what every site received (each site's copy counted); per-site figures are
+  these divided by the number of sites. *Total* = up + down.
+- **Curves** are seed means: at every evaluation step, the mean held-out metric over
+  seeds against the mean cumulative total bytes.
+- **Target** of a group (setting, sites, split): dSGD's final metric, seed mean, minus
+  0.5 point (0.005 of accuracy). **Steps / bytes to target**: the first evaluation step
+  at which a strategy's seed-mean curve reaches the target, and the cumulative bytes
+  spent by then. *Reached* also counts the seeds whose own curve reaches it.
+- **Dominance**. A family's envelope E(B) is the best seed-mean metric any of its
+  configurations reached with at most B cumulative bytes (−∞ before its first
+  evaluation). Family X dominates family Y when E_X(B) ≥ E_Y(B) at every budget B from
+  the smallest evaluated budget of either family up to the largest budget both reached
+  (envelopes are step functions, so checking every evaluated budget in that range is
+  exact). ``fraction`` is the share of those budgets where E_X ≥ E_Y, ``worst_gap`` the
+  smallest E_X − E_Y there.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dadfl.metrics import read_metrics
+from dadfl.simulation import StrategySpec
+
+from .costs import breakdown, round_trips
+from .execute import RUNS
+from .matrix import WorkloadSetting
+
+TARGET_TOLERANCE = 0.005  # 0.5 point of accuracy
+FAMILIES = {"rank-dAD": "rankdad", "PowerSGD": "powersgd"}
+
+
+@dataclass
+class Run:
+    """One finished cell, reduced to what the statistics need."""
+
+    summary: dict
+    eval_steps: list[int]  # steps done (1-based) at each evaluation
+    metric: list[float]
+    cumulative_bytes: list[float]  # total bytes (up + down, all sites) spent by each evaluation
+    bytes_up: float  # mean per step, all sites
+    bytes_down: float
+    seconds: float  # median per step
+    ranks: dict[str, list[float]]  # effective rank per layer, per step
+
+
+def load_run(summary_path: Path) -> Run:
+    summary = json.loads(summary_path.read_text())
+    key = f"test_{summary['metric_name']}"
+    eval_steps, metric, cumulative, spent = [], [], [], 0.0
+    ups, downs, seconds = [], [], []
+    ranks: dict[str, list[float]] = defaultdict(list)
+    for record in read_metrics(summary_path.with_suffix(".jsonl")):
+        spent += record["bytes_up"] + record["bytes_down"]
+        ups.append(record["bytes_up"])
+        downs.append(record["bytes_down"])
+        seconds.append(record["seconds"])
+        for name, value in record.items():
+            if name.startswith("rank/"):
+                ranks[name[len("rank/"):]].append(value)
+        if key in record:
+            eval_steps.append(record["step"] + 1)
+            metric.append(record[key])
+            cumulative.append(spent)
+    return Run(summary, eval_steps, metric, cumulative, mean(ups), mean(downs), statistics.median(seconds), dict(ranks))
+
+
+def mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else math.nan
+
+
+def spread(values) -> float:
+    values = list(values)
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+@dataclass
+class StrategyStats:
+    label: str
+    name: str
+    options: dict
+    seeds: int
+    up_per_site: float  # bytes per step
+    down_per_site: float
+    total_per_step: float  # up + down, all sites
+    round_trips: int
+    final_mean: float
+    final_std: float
+    seconds_mean: float
+    seconds_std: float
+    curve_steps: list[int]
+    curve_metric: list[float]
+    curve_metric_std: list[float]
+    curve_bytes: list[float]
+    ranks: dict[str, list[float]]  # seed-mean effective rank per layer per step
+    steps_to_target: int | None = None
+    bytes_to_target: float | None = None
+    seeds_reached: int = 0
+    steps_to_target_per_seed: list[int | None] = field(default_factory=list)
+    bytes_ratio_vs_dsgd: float | None = None  # dSGD's bytes to target / this strategy's
+
+
+def strategy_stats(runs: list[Run], trips: int) -> StrategyStats:
+    first = runs[0].summary
+    spec = StrategySpec(**first["spec"])
+    steps = runs[0].eval_steps
+    if any(run.eval_steps != steps for run in runs):
+        raise ValueError(f"{first['group']}/{spec.display}: seeds evaluated at different steps")
+    sites = first["sites"]
+    finals = [run.summary["metric"] for run in runs]
+    layers = sorted({name for run in runs for name in run.ranks})
+    ranks = {
+        name: [mean(values) for values in zip(*(run.ranks[name] for run in runs if name in run.ranks))] for name in layers
+    }
+    return StrategyStats(
+        label=spec.display,
+        name=spec.name,
+        options=spec.options,
+        seeds=len(runs),
+        up_per_site=mean(run.bytes_up for run in runs) / sites,
+        down_per_site=mean(run.bytes_down for run in runs) / sites,
+        total_per_step=mean(run.bytes_up + run.bytes_down for run in runs),
+        round_trips=trips,
+        final_mean=mean(finals),
+        final_std=spread(finals),
+        seconds_mean=mean(run.seconds for run in runs),
+        seconds_std=spread(run.seconds for run in runs),
+        curve_steps=steps,
+        curve_metric=[mean(v) for v in zip(*(run.metric for run in runs))],
+        curve_metric_std=[spread(v) for v in zip(*(run.metric for run in runs))],
+        curve_bytes=[mean(v) for v in zip(*(run.cumulative_bytes for run in runs))],
+        ranks=ranks,
+    )
+
+
+def first_reaching(values: list[float], target: float) -> int | None:
+    return next((i for i, value in enumerate(values) if value >= target), None)
+
+
+def apply_target(stats: StrategyStats, runs: list[Run], target: float) -> None:
+    index = first_reaching(stats.curve_metric, target)
+    if index is not None:
+        stats.steps_to_target = stats.curve_steps[index]
+        stats.bytes_to_target = stats.curve_bytes[index]
+    per_seed = [first_reaching(run.metric, target) for run in runs]
+    stats.steps_to_target_per_seed = [None if i is None else stats.curve_steps[i] for i in per_seed]
+    stats.seeds_reached = sum(i is not None for i in per_seed)
+
+
+# ------------------------------------------------------------------------ dominance
+
+
+def envelope(curves: list[tuple[list[float], list[float]]]) -> list[tuple[float, float]]:
+    """(budget, best metric reached within it) at every evaluated budget, ascending."""
+    points = sorted((b, m) for bytes_, metric in curves for b, m in zip(bytes_, metric))
+    best, out = -math.inf, []
+    for budget, value in points:
+        best = max(best, value)
+        out.append((budget, best))
+    return out
+
+
+def best_within(env: list[tuple[float, float]], budget: float) -> float:
+    best = -math.inf
+    for point, value in env:
+        if point > budget:
+            break
+        best = value
+    return best
+
+
+def dominance(ours: list[tuple[list[float], list[float]]], theirs: list[tuple[list[float], list[float]]]) -> dict:
+    a, b = envelope(ours), envelope(theirs)
+    if not a or not b:
+        return {"dominates": None, "fraction": None, "worst_gap": None, "budgets": 0}
+    high = min(a[-1][0], b[-1][0])
+    budgets = sorted({point for point, _ in a + b if point <= high})
+    gaps = [best_within(a, budget) - best_within(b, budget) for budget in budgets]
+    finite = [gap for gap in gaps if math.isfinite(gap)]
+    return {
+        "dominates": all(gap >= 0 for gap in gaps),
+        "fraction": sum(gap >= 0 for gap in gaps) / len(gaps),
+        "worst_gap": min(finite) if finite else None,
+        "budgets": len(budgets),
+        "range": [budgets[0], high],
+    }
+
+
+def family_curves(strategies: dict[str, StrategyStats], name: str, **options) -> list[tuple[list[float], list[float]]]:
+    return [
+        (s.curve_bytes, s.curve_metric)
+        for s in strategies.values()
+        if s.name == name and all(s.options.get(k) == v for k, v in options.items())
+    ]
+
+
+def group_dominance(strategies: dict[str, StrategyStats]) -> dict:
+    """rank-dAD (all its configurations) against PowerSGD (all ranks), and rank by rank."""
+    result = {"family": dominance(family_curves(strategies, "rankdad"), family_curves(strategies, "powersgd"))}
+    ranks = sorted({s.options["rank"] for s in strategies.values() if s.name == "powersgd"})
+    for rank in ranks:
+        for reduce in (False, True):
+            ours = family_curves(strategies, "rankdad", rank=rank, reduce_on_server=reduce)
+            theirs = family_curves(strategies, "powersgd", rank=rank)
+            result[f"r={rank}{' reduced' if reduce else ''}"] = dominance(ours, theirs)
+    return result
+
+
+# ------------------------------------------------------------------------ everything
+
+STRATEGY_ORDER = ("dsgd", "dad", "auto", "edad", "rankdad", "powersgd")
+
+
+def matrix_order(spec: dict) -> tuple:
+    """Tables list strategies as the matrix does: exact ones, rank-dAD, PowerSGD; by rank."""
+    name, options = spec["name"], spec["options"]
+    known = STRATEGY_ORDER.index(name) if name in STRATEGY_ORDER else len(STRATEGY_ORDER)
+    return known, options.get("rank", 0), bool(options.get("reduce_on_server"))
+
+
+
+def analyse(out: Path, settings: list[WorkloadSetting], size_sweep: bool = False) -> dict[str, Any]:
+    """Read every finished cell under ``out`` and return the statistics (JSON-ready);
+    ``size_sweep`` adds the per-step bounds of the ``SIZE_SWEEP`` models."""
+    by_group: dict[str, dict[str, list[Run]]] = defaultdict(lambda: defaultdict(list))
+    for summary_path in sorted((out / RUNS).rglob("*.json")):
+        run = load_run(summary_path)
+        by_group[run.summary["group"]][StrategySpec(**run.summary["spec"]).display].append(run)
+    by_key = {setting.key: setting for setting in settings}
+    cell_seconds = sum(run.summary["wall_seconds"] for runs in by_group.values() for group in runs.values() for run in group)
+    cell_count = sum(len(group) for runs in by_group.values() for group in runs.values())
+    trips_cache: dict[tuple[str, str], int] = {}
+    groups = {}
+    for group, labelled in sorted(by_group.items()):
+        first = next(iter(labelled.values()))[0].summary
+        setting = by_key.get(first["setting"])
+        if setting is None:
+            continue  # results of a setting no longer in the matrix
+        strategies = {}
+        for label, runs in sorted(labelled.items(), key=lambda item: matrix_order(item[1][0].summary["spec"])):
+            spec = StrategySpec(**runs[0].summary["spec"])
+            key = (setting.key, label)
+            if key not in trips_cache:
+                trips_cache[key] = round_trips(setting.workload, {**setting.options, "seed": 0}, spec)
+            strategies[label] = strategy_stats(runs, trips_cache[key])
+        target = None
+        if "dsgd" in strategies:
+            target = strategies["dsgd"].final_mean - TARGET_TOLERANCE
+            for label, runs in labelled.items():
+                apply_target(strategies[label], runs, target)
+            reference = strategies["dsgd"].bytes_to_target
+            for stats in strategies.values():
+                if reference and stats.bytes_to_target:
+                    stats.bytes_ratio_vs_dsgd = reference / stats.bytes_to_target
+        groups[group] = {
+            "setting": setting.key,
+            "sites": first["sites"],
+            "partition": first["partition"],
+            "metric_name": first["metric_name"],
+            "target": target,
+            "strategies": {label: asdict(stats) for label, stats in strategies.items()},
+            "dominance": group_dominance(strategies),
+        }
+    costs = {}
+    for setting in settings:
+        parts = breakdown(setting.workload, {**setting.options, "seed": 0})
+        costs[setting.key] = {
+            "parameters": parts.parameters,
+            "dense": parts.dense,
+            "always_dense": parts.always_dense,
+            "uncovered": parts.uncovered,
+            "layers": [asdict(layer) | {"weight": layer.weight} for layer in parts.layers],
+            "low_rank": {str(r): parts.low_rank(r) for r in (1, 2, 4, 8)},
+            "bound": {str(r): parts.bound(r) for r in (1, 2, 4, 8)},
+            "bound_raw_input_dense": {str(r): parts.bound(r, raw_input_dense=True) for r in (1, 2, 4, 8)},
+            "bound_rank_zero": parts.dense / parts.always_dense,
+        }
+    sizes = [size_bound(workload, options) for workload, options in SIZE_SWEEP] if size_sweep else []
+    failed = sorted(str(path.relative_to(out / RUNS).with_suffix("")) for path in (out / RUNS).rglob("*.failed"))
+    return {
+        "groups": groups, "costs": costs, "sizes": sizes, "failed": failed, "settings": [asdict(s) for s in settings],
+        "cells": cell_count, "cell_seconds": cell_seconds,
+    }
+
+
+# Model sizes whose per-step bound the report tabulates (built, never trained).
+SIZE_SWEEP = [
+    *(("digits-mlp", {"hidden": hidden}) for hidden in (256, 1024, 2048)),
+    *(("char-transformer", {"seq_len": 16, "d_model": d, "layers": layers}) for layers in (2, 4) for d in (64, 128, 256, 512, 1024)),
+]
+
+
+def size_bound(workload: str, options: dict) -> dict:
+    parts = breakdown(workload, options)
+    return {
+        "workload": workload, "options": options, "parameters": parts.parameters,
+        "always_dense_share": parts.always_dense / parts.dense,
+        "bound": {str(r): parts.bound(r) for r in (1, 8)}, "bound_rank_zero": parts.dense / parts.always_dense,
+    }
+
+
+CSV_COLUMNS = (
+    "setting", "sites", "partition", "strategy", "seeds", "round_trips", "up_per_site", "down_per_site",
+    "total_per_step", "final_mean", "final_std", "target", "steps_to_target", "seeds_reached", "bytes_to_target",
+    "bytes_ratio_vs_dsgd", "seconds_mean", "seconds_std",
+)
+
+
+def write_results(results: dict[str, Any], out: Path) -> tuple[Path, Path]:
+    """``results.json`` (everything, curves included) and ``results.csv`` (one row per
+    group and strategy)."""
+    json_path, csv_path = out / "results.json", out / "results.csv"
+    json_path.write_text(json.dumps(results, indent=1))
+    lines = [",".join(CSV_COLUMNS)]
+    for group in results["groups"].values():
+        for label, stats in group["strategies"].items():
+            row = {**group, **stats, "strategy": label}
+            lines.append(",".join(_csv(row.get(column)) for column in CSV_COLUMNS))
+    csv_path.write_text("\n".join(lines) + "\n")
+    return json_path, csv_path
+
+
+def _csv(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    text = str(value)
+    return f'"{text}"' if "," in text else text

@@ -1,0 +1,112 @@
+"""Bytes per step from the cost formulas, and the round trips a strategy needs per step.
+
+Every strategy splits a model's parameters the same way (``Layout``): *captured* layers
+(Linear, Conv) whose weight gradient is Σ_rows Δᵀ A, and everything else — embeddings,
+tied weights, LayerNorm, raw ``nn.Parameter``s — which no factor capture covers and
+which travels dense. Biases of captured layers also travel dense under the low-rank
+strategies (a rank-r product carries no Σ_rows Δ).
+
+For a rank-r strategy the floats per site and direction per step are therefore at least
+
+    low_rank(r) = uncovered + Σ_layers bias + Σ_layers G·r·(k + m)
+
+against dSGD's ``dense = Σ all parameters``, so no rank-r method can beat
+``dense / low_rank(r)`` per step; with r → 0 the bound is ``dense / (uncovered +
+biases)``. ``Breakdown`` holds these numbers for one model; the report prints them
+beside the measured ratios.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dadfl.replica import OptimizerConfig, Replica
+from dadfl.simulation import StrategySpec
+from dadfl.strategies import exchange, make_strategy
+from dadfl.workloads import load_workload
+
+FLOAT_BYTES = 4
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    module: str
+    groups: int
+    k: int  # inputs per group
+    m: int  # outputs per group
+    bias: int  # bias floats (0 without bias)
+    raw_input: bool
+
+    @property
+    def weight(self) -> int:
+        return self.groups * self.k * self.m
+
+    def factors(self, rank: int) -> int:
+        """G·r'·(k + m) with r' = min(r, k, m): the rank-r factors of one group each."""
+        return self.groups * min(rank, self.k, self.m) * (self.k + self.m)
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Floats of one model by how they travel."""
+
+    parameters: int  # every trainable parameter: dSGD's floats per site per direction
+    float_buffers: int  # BatchNorm statistics and the like: dense in every strategy
+    uncovered: dict[str, int]  # parameters no capture covers, by name
+    layers: tuple[LayerCost, ...]
+
+    @property
+    def dense(self) -> int:
+        return self.parameters + self.float_buffers
+
+    @property
+    def always_dense(self) -> int:
+        """What travels dense under any low-rank strategy: uncovered, biases, buffers."""
+        return sum(self.uncovered.values()) + sum(layer.bias for layer in self.layers) + self.float_buffers
+
+    def low_rank(self, rank: int, raw_input_dense: bool = False) -> int:
+        """Floats per site per direction of a rank-``rank`` factorisation of every captured
+        weight (the raw-input layer as a dense gradient when ``raw_input_dense``)."""
+        weights = sum(
+            layer.weight if (raw_input_dense and layer.raw_input) else layer.factors(rank) for layer in self.layers
+        )
+        return self.always_dense + weights
+
+    def bound(self, rank: int, raw_input_dense: bool = False) -> float:
+        """dSGD bytes over rank-r bytes per step: no rank-r method compresses more."""
+        return self.dense / self.low_rank(rank, raw_input_dense)
+
+
+def breakdown(workload: str, options: dict) -> Breakdown:
+    loaded = load_workload(workload, **options)
+    model = loaded.build_model()
+    replica_layout = Replica(loaded, make_strategy("dsgd"), OptimizerConfig()).layout
+    params = dict(model.named_parameters())
+    covered = set()
+    layers = []
+    for layer in replica_layout.layers:
+        covered.add(layer.weight)
+        bias = 0
+        if layer.bias is not None:
+            covered.add(layer.bias)
+            bias = params[layer.bias].numel()
+        layers.append(LayerCost(layer.module, layer.groups, layer.in_per_group, layer.out_per_group, bias, layer.raw_input))
+    uncovered = {name: params[name].numel() for name in replica_layout.params if name not in covered}
+    buffers = sum(b.numel() for b in model.buffers() if b.is_floating_point())
+    return Breakdown(sum(p.numel() for p in params.values()), buffers, uncovered, tuple(layers))
+
+
+def round_trips(workload: str, options: dict, spec: StrategySpec, sites: int = 2, batch: int = 4) -> int:
+    """Server round trips one step of ``spec`` takes (its number of phases), measured by
+    running one step on ``sites`` replicas."""
+    torch.set_num_threads(1)
+    loaded = load_workload(workload, **options)
+    strategy = make_strategy(spec.name, **spec.options)
+    replicas = [Replica(loaded, strategy, OptimizerConfig()) for _ in range(sites)]
+    server = strategy.server(replicas[0].layout, replicas[0].model)
+    inputs, targets = loaded.train.inputs[:batch], loaded.train.targets[:batch]
+    locals_ = [replica.local(inputs, targets) for replica in replicas]
+    _, traffic = exchange([replica.half for replica in replicas], server, locals_, step=0)
+    return len(traffic.up)

@@ -1,0 +1,108 @@
+"""Run benchmark cells through the in-process simulation, in one or more worker processes.
+
+Each cell writes ``<out>/runs/<cell name>.jsonl`` (one record per step, the keys of
+``dadfl.metrics``) and, once finished, ``<cell name>.json`` (the simulation's summary
+plus the cell's coordinates). A cell with its ``.json`` is done and is skipped on the
+next run, so an interrupted suite resumes where it stopped. Every worker uses one
+torch thread: on a shared machine, ``--jobs`` is the number of cores the suite takes.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import time
+import traceback
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from dadfl.metrics import MetricsWriter
+from dadfl.simulation import SimulationConfig, simulate
+
+from .matrix import DIRICHLET_ALPHA, Cell
+
+RUNS = "runs"
+
+
+def cell_paths(out: Path, cell: Cell) -> tuple[Path, Path]:
+    base = out / RUNS / cell.name
+    return base.with_suffix(".jsonl"), base.with_suffix(".json")
+
+
+def simulation_config(cell: Cell) -> SimulationConfig:
+    setting = cell.setting
+    return SimulationConfig(
+        workload=setting.workload,
+        workload_options={**setting.options, "seed": cell.seed},
+        sites=cell.sites,
+        partition=cell.partition,
+        alpha=DIRICHLET_ALPHA,
+        batch_size=setting.batch_size,
+        steps=setting.steps,
+        eval_every=setting.eval_every,
+        seed=cell.seed,
+        device="cpu",
+        optimizer=setting.optimizer,
+        strategies=[cell.strategy],
+    )
+
+
+def run_cell(cell: Cell, out: Path) -> tuple[float, bool]:
+    """Train one cell; return its wall-clock seconds and whether it finished. A failure is written to
+    ``<cell name>.failed`` (the report lists it) and the suite goes on."""
+    torch.set_num_threads(1)
+    metrics_path, summary_path = cell_paths(out, cell)
+    failure_path = metrics_path.with_suffix(".failed")
+    metrics_path.unlink(missing_ok=True)  # a partial file from an interrupted run
+    failure_path.unlink(missing_ok=True)
+    start = time.perf_counter()
+    try:
+        with MetricsWriter(metrics_path) as metrics:
+            summary = simulate(simulation_config(cell), cell.strategy, metrics)
+    except Exception:  # noqa: BLE001 - recorded, reported, and the other cells still run
+        failure_path.write_text(traceback.format_exc())
+        return time.perf_counter() - start, False
+    summary.update(
+        {
+            "setting": cell.setting.key,
+            "group": cell.group,
+            "sites": cell.sites,
+            "partition": cell.partition,
+            "seed": cell.seed,
+            "spec": cell.strategy.model_dump(),
+            "wall_seconds": time.perf_counter() - start,
+        }
+    )
+    summary_path.write_text(json.dumps(summary, indent=1))
+    return summary["wall_seconds"], True
+
+
+def pending(cells: list[Cell], out: Path) -> list[Cell]:
+    return [cell for cell in cells if not cell_paths(out, cell)[1].exists()]
+
+
+def run_cells(cells: list[Cell], out: Path, jobs: int, log: Callable[[str], None] = print) -> None:
+    """Run every cell not yet done; ``jobs`` > 1 uses that many worker processes."""
+    todo = pending(cells, out)
+    log(f"{len(cells) - len(todo)} of {len(cells)} cells already done; running {len(todo)} with {jobs} job(s)")
+    started = time.perf_counter()
+
+    def finished(index: int, cell: Cell, result: tuple[float, bool]) -> None:
+        seconds, ok = result
+        elapsed = time.perf_counter() - started
+        remaining = elapsed / index * (len(todo) - index)
+        status = f"{seconds:.1f} s" if ok else f"FAILED after {seconds:.1f} s, see {cell.name}.failed"
+        log(f"[{index}/{len(todo)}] {cell.name}: {status} (elapsed {elapsed / 60:.1f} min, ~{remaining / 60:.1f} min left)")
+
+    if jobs <= 1:
+        for index, cell in enumerate(todo, start=1):
+            finished(index, cell, run_cell(cell, out))
+        return
+    context = multiprocessing.get_context("spawn")  # no forked torch state
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+        futures = {pool.submit(run_cell, cell, out): cell for cell in todo}
+        for index, future in enumerate(as_completed(futures), start=1):
+            finished(index, futures[future], future.result())

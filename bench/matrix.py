@@ -1,0 +1,179 @@
+"""What the benchmark measures: workload settings, strategy specs, and the cells they span.
+
+A *cell* is one training run: one strategy on one workload setting with a number of
+sites, a split and a seed. The seed drives everything random in the run: the model's
+initial weights and the train/test split (workload ``seed``), the partition across
+sites and every site's batch order (simulation ``seed``), and the random starts of the
+low-rank strategies (strategy ``seed``).
+
+Two presets:
+
+- ``FULL``: the issue's matrix. Every workload runs 2, 4 and 8 sites, IID and
+  Dirichlet(0.5) splits. ``digits-mlp`` and ``digits-cnn`` run three seeds in every
+  group. The character workloads cost ~5-10x more per step on CPU: they run three
+  seeds at 4 sites and one seed (``sweep_seeds``) at 2 and 8 sites, on 16-character
+  windows. ``digits-mlp-wide`` sizes the MLP for the ≥100x target (4 sites, IID, three
+  seeds); the transformer's cap is shown by the cost formula (``costs``) instead,
+  since the size that could reach 100x does not train on this CPU in the time budget.
+- ``SMOKE``: every workload, two sites, a few steps, one seed, a subset of strategies:
+  checks the whole pipeline in under two minutes on two cores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterator
+
+from dadfl.simulation import StrategySpec
+
+RANKS = (1, 2, 4, 8)
+HEADLINE_SITES = 4  # each workload is judged on its 4-site IID group
+DIRICHLET_ALPHA = 0.5
+# rank-dAD also factors the layer that reads the raw input (PowerSGD compresses it too,
+# so both compress the same layers); the default "dense" would send it as a gradient.
+RANKDAD_RAW_INPUT = "low_rank"
+# PowerSGD from the first step: dense warm-up steps would cost it dSGD's bytes.
+POWERSGD_START_ITER = 0
+
+SGD = {"name": "sgd", "lr": 0.1, "momentum": 0.9}
+
+
+@dataclass(frozen=True)
+class WorkloadSetting:
+    """One workload with its options, its training recipe and the grid it runs on."""
+
+    key: str  # names the setting in paths, tables and plots
+    workload: str  # built-in name or "module:factory"
+    options: dict[str, Any]
+    optimizer: dict[str, Any]
+    steps: int
+    eval_every: int
+    batch_size: int
+    sites: tuple[int, ...]
+    partitions: tuple[str, ...]
+    seeds: tuple[int, ...]  # at the headline site count (4)
+    sweep_seeds: tuple[int, ...] | None = None  # at other site counts (default: ``seeds``)
+    feed_forward: bool = False  # an nn.Sequential MLP: edAD applies
+    purpose: str = "matrix"  # "matrix" (the grid) or "target" (sized for the bytes target)
+    note: str = ""
+
+    def seeds_for(self, sites: int) -> tuple[int, ...]:
+        if sites == HEADLINE_SITES or self.sweep_seeds is None:
+            return self.seeds
+        return self.sweep_seeds
+
+
+@dataclass(frozen=True)
+class Cell:
+    setting: WorkloadSetting
+    sites: int
+    partition: str
+    seed: int
+    strategy: StrategySpec = field(compare=False)
+
+    @property
+    def group(self) -> str:
+        """Cells that differ only by seed share a group: ``<setting>/<sites>-<partition>``."""
+        return f"{self.setting.key}/{self.sites}-{self.partition}"
+
+    @property
+    def name(self) -> str:
+        return f"{self.group}/seed{self.seed}/{slug(self.strategy.display)}"
+
+
+def slug(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_=." else "_" for c in text)
+
+
+def strategy_specs(feed_forward: bool, ranks: tuple[int, ...] = RANKS, seed: int = 0) -> list[StrategySpec]:
+    """dsgd, dad, auto, edad (feed-forward only), rank-dAD with and without server
+    re-reduction, PowerSGD — every rank in ``ranks``."""
+    specs = [StrategySpec(name="dsgd"), StrategySpec(name="dad"), StrategySpec(name="auto")]
+    if feed_forward:
+        specs.append(StrategySpec(name="edad"))
+    for rank in ranks:
+        for reduce in (False, True):
+            specs.append(
+                StrategySpec(
+                    name="rankdad",
+                    options={"rank": rank, "reduce_on_server": reduce, "raw_input": RANKDAD_RAW_INPUT, "seed": seed},
+                    label=f"rankdad r={rank}" + (" reduced" if reduce else ""),
+                )
+            )
+    for rank in ranks:
+        specs.append(
+            StrategySpec(
+                name="powersgd",
+                options={"rank": rank, "start_iter": POWERSGD_START_ITER, "seed": seed},
+                label=f"powersgd r={rank}",
+            )
+        )
+    return specs
+
+
+def cells(settings: list[WorkloadSetting], ranks: tuple[int, ...] = RANKS) -> list[Cell]:
+    """Every cell, seed-major: a run cut short still has complete early seeds."""
+    found = []
+    for setting in settings:
+        for sites in setting.sites:
+            for partition in setting.partitions:
+                for seed in setting.seeds_for(sites):
+                    for spec in strategy_specs(setting.feed_forward, ranks, seed):
+                        found.append(Cell(setting, sites, partition, seed, spec))
+    return sorted(found, key=lambda c: (c.seed, c.sites != HEADLINE_SITES, c.partition != "iid"))
+
+
+def _grid(**overrides) -> dict[str, Any]:
+    grid = {"sites": (2, 4, 8), "partitions": ("iid", "dirichlet"), "seeds": (0, 1, 2)}
+    grid.update(overrides)
+    return grid
+
+
+ADAM_GRU = {"name": "adam", "lr": 0.01}
+ADAM_TRANSFORMER = {"name": "adam", "lr": 0.003}
+
+TEXT = {"seq_len": 16}
+
+FULL: list[WorkloadSetting] = [
+    WorkloadSetting("digits-mlp", "digits-mlp", {"hidden": 256}, SGD, 150, 10, 32, feed_forward=True, **_grid()),
+    WorkloadSetting("digits-cnn", "digits-cnn", {}, SGD, 120, 10, 32, **_grid()),
+    WorkloadSetting("char-gru", "bench.workloads:char_gru", TEXT, ADAM_GRU, 100, 10, 32, **_grid(sweep_seeds=(0,))),
+    WorkloadSetting(
+        "char-transformer", "bench.workloads:char_transformer", TEXT, ADAM_TRANSFORMER, 100, 10, 32,
+        **_grid(sweep_seeds=(0,)),
+    ),
+    WorkloadSetting(
+        "digits-mlp-wide", "digits-mlp", {"hidden": 1024}, SGD, 200, 10, 32, feed_forward=True, purpose="target",
+        note="1.1M parameters, sized so the compressible matrices dominate", **_grid(sites=(4,), partitions=("iid",)),
+    ),
+]
+
+SMOKE: list[WorkloadSetting] = [
+    WorkloadSetting("digits-mlp", "digits-mlp", {"hidden": 64}, SGD, 30, 5, 16, feed_forward=True,
+                    sites=(2,), partitions=("iid",), seeds=(0,)),
+    WorkloadSetting("digits-cnn", "digits-cnn", {"channels": 8}, SGD, 12, 4, 16, sites=(2,), partitions=("dirichlet",), seeds=(0,)),
+    WorkloadSetting("char-gru", "bench.workloads:char_gru", {"seq_len": 8, "hidden": 32, "embed": 16}, ADAM_GRU, 8, 4, 8,
+                    sites=(2,), partitions=("dirichlet",), seeds=(0,)),
+    WorkloadSetting("char-transformer", "bench.workloads:char_transformer", {"seq_len": 8, "d_model": 32, "layers": 1},
+                    ADAM_TRANSFORMER, 8, 4, 8, sites=(2,), partitions=("iid",), seeds=(0,)),
+]
+SMOKE_RANKS = (2,)
+
+
+def select(settings: list[WorkloadSetting], keys: list[str] | None, seeds: tuple[int, ...] | None) -> list[WorkloadSetting]:
+    """Settings whose key is in ``keys`` (all when None), with ``seeds`` replacing theirs."""
+    known = [s.key for s in settings]
+    unknown = sorted(set(keys or ()) - set(known))
+    if unknown:
+        raise ValueError(f"unknown workload setting(s) {', '.join(unknown)}; choose from {', '.join(known)}")
+    chosen = [s for s in settings if keys is None or s.key in keys]
+    if seeds is not None:
+        chosen = [replace(s, seeds=seeds, sweep_seeds=None) for s in chosen]
+    return chosen
+
+
+def iter_groups(settings: list[WorkloadSetting]) -> Iterator[tuple[WorkloadSetting, int, str]]:
+    for setting in settings:
+        for sites in setting.sites:
+            for partition in setting.partitions:
+                yield setting, sites, partition

@@ -1,0 +1,88 @@
+"""``python -m bench.run``: run the benchmark matrix, analyse it, write the report.
+
+    python -m bench.run                    # reduced smoke matrix, < 2 min on 2 cores
+    python -m bench.run --full --jobs 2    # the whole matrix, real links, DDP peer;
+                                           # publishes docs/benchmarks.md
+
+Finished cells are kept under ``--out`` and skipped when the command runs again, so an
+interrupted suite resumes; ``--report-only`` re-analyses what is there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from . import links, matrix, peers
+from .analysis import analyse, write_results
+from .execute import run_cells
+from .report import write_report
+
+SMOKE_OUT = Path("bench/results/smoke")
+FULL_OUT = Path("bench/results/full")
+DOCS = Path("docs")
+LINKS, PEERS = "links.json", "peers.json"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n")[0])
+    parser.add_argument("--full", action="store_true", help="the whole matrix (default: the reduced smoke matrix)")
+    parser.add_argument("--out", type=Path, help=f"results folder (default {SMOKE_OUT}, or {FULL_OUT} with --full)")
+    parser.add_argument("--docs", type=Path, help=f"where benchmarks.md and img/ go (default: {DOCS} with --full, else --out)")
+    parser.add_argument("--workloads", help="comma-separated setting keys to run (default: all of the preset)")
+    parser.add_argument("--seeds", help="comma-separated seeds replacing the preset's, e.g. 0,1,2")
+    parser.add_argument("--jobs", type=int, default=1, help="worker processes, one torch thread each (default 1)")
+    parser.add_argument("--report-only", action="store_true", help="analyse the results already in --out; run nothing")
+    parser.add_argument(
+        "--parts", help="comma-separated parts to run: matrix, links, peers (default: all with --full, matrix otherwise)"
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    preset, ranks = (matrix.FULL, matrix.RANKS) if args.full else (matrix.SMOKE, matrix.SMOKE_RANKS)
+    out = args.out or (FULL_OUT if args.full else SMOKE_OUT)
+    docs = args.docs or (DOCS if args.full else out)
+    try:
+        keys = args.workloads.split(",") if args.workloads else None
+        seeds = tuple(int(s) for s in args.seeds.split(",")) if args.seeds else None
+        settings = matrix.select(preset, keys, seeds)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    parts = set(args.parts.split(",")) if args.parts else ({"matrix", "links", "peers"} if args.full else {"matrix"})
+    unknown = parts - {"matrix", "links", "peers"}
+    if unknown:
+        print(f"error: unknown part(s) {', '.join(sorted(unknown))}; choose from matrix, links, peers", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    if not args.report_only:
+        if "matrix" in parts:
+            run_cells(matrix.cells(settings, ranks), out, args.jobs)
+        if "links" in parts:
+            (out / LINKS).write_text(json.dumps(links.measure(), indent=1))
+        if "peers" in parts:
+            (out / PEERS).write_text(json.dumps(peers.compare(), indent=1))
+    results = analyse(out, settings, size_sweep=args.full)
+    json_path, csv_path = write_results(results, out)
+    command = "python -m bench.run" + (" --full --jobs 2" if args.full else "")
+    minutes = None if args.report_only else (time.perf_counter() - started) / 60
+    report = write_report(results, docs, command, minutes, links=load(out / LINKS), peers=load(out / PEERS))
+    print(f"results: {json_path}, {csv_path}; report: {report}")
+    if results["failed"]:
+        print(f"{len(results['failed'])} cell(s) failed: see {report}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def load(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""The benchmark suite end to end on a tiny part of its smoke matrix (digits MLP, 2 sites).
+
+Runs ``python -m bench.run`` as a user would and checks that the results and the report
+are complete and agree with the strategies' cost formulas.
+"""
+
+import csv
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FLOAT = 4
+SITES = 2
+HIDDEN = 64  # the smoke preset's digits-mlp: 64 -> 64 -> 64 -> 10
+LAYERS = [(64, HIDDEN), (HIDDEN, HIDDEN), (HIDDEN, 10)]  # (in, out) of each Linear
+RANK = 2  # the smoke preset's rank
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.run", "--workloads", "digits-mlp", "--out", str(out), "--jobs", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return out, json.loads((out / "results.json").read_text())
+
+
+def strategies(results):
+    (group,) = results["groups"].values()
+    return group, group["strategies"]
+
+
+def test_every_strategy_of_the_cell_finished_with_sane_curves(suite):
+    out, results = suite
+    group, stats = strategies(results)
+    assert results["failed"] == []
+    assert group["sites"] == SITES and group["partition"] == "iid"
+    assert set(stats) == {"dsgd", "dad", "auto", "edad", f"rankdad r={RANK}", f"rankdad r={RANK} reduced", f"powersgd r={RANK}"}
+    for label, s in stats.items():
+        assert s["curve_steps"] == sorted(s["curve_steps"]) and s["curve_steps"][-1] == 30, label
+        assert all(0.0 <= m <= 1.0 for m in s["curve_metric"]), label
+        assert all(b2 > b1 for b1, b2 in zip(s["curve_bytes"], s["curve_bytes"][1:])), label
+        assert s["seconds_mean"] > 0 and math.isfinite(s["final_mean"]), label
+    assert all(len(series) == 30 for series in stats[f"rankdad r={RANK}"]["ranks"].values())
+    rows = list(csv.DictReader((out / "results.csv").open()))
+    assert len(rows) == len(stats)
+    report = (out / "benchmarks.md").read_text()
+    assert "Target (a)" in report and "Target (b)" in report
+    assert (out / "img" / "bench_digits-mlp_metric_vs_bytes.png").stat().st_size > 0
+
+
+def test_exact_strategies_reach_the_same_metric(suite):
+    _, results = suite
+    group, stats = strategies(results)
+    one_test_sample = 1 / 450  # float rounding may flip at most a borderline prediction
+    for label in ("dad", "auto", "edad"):
+        assert stats[label]["final_mean"] == pytest.approx(stats["dsgd"]["final_mean"], abs=one_test_sample), label
+    # dSGD reaches its own target (its final metric minus half a point) by the last step.
+    assert stats["dsgd"]["steps_to_target"] is not None and stats["dsgd"]["bytes_ratio_vs_dsgd"] == 1.0
+    assert group["target"] == pytest.approx(stats["dsgd"]["final_mean"] - 0.005)
+
+
+def test_bytes_match_the_cost_formulas(suite):
+    _, results = suite
+    _, stats = strategies(results)
+    weights = sum(k * m for k, m in LAYERS)
+    biases = sum(m for _, m in LAYERS)
+    factors = sum(RANK * (k + m) for k, m in LAYERS)
+    assert stats["dsgd"]["up_per_site"] == stats["dsgd"]["down_per_site"] == FLOAT * (weights + biases)
+    rankdad, reduced = stats[f"rankdad r={RANK}"], stats[f"rankdad r={RANK} reduced"]
+    assert rankdad["up_per_site"] == reduced["up_per_site"] == FLOAT * (factors + biases)
+    assert rankdad["down_per_site"] == FLOAT * (SITES * factors + biases)  # concatenated factors
+    assert reduced["down_per_site"] == FLOAT * (factors + biases)  # re-reduced to rank r
+    powersgd = stats[f"powersgd r={RANK}"]
+    assert powersgd["up_per_site"] == powersgd["down_per_site"] == FLOAT * (factors + biases)
+    assert results["costs"]["digits-mlp"]["low_rank"][str(RANK)] * FLOAT == rankdad["up_per_site"]
+    assert [stats[k]["round_trips"] for k in ("dsgd", "dad", f"rankdad r={RANK}", f"powersgd r={RANK}")] == [1, 1, 1, 2]
