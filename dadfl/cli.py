@@ -13,12 +13,12 @@ from rich.table import Table
 
 from dadfl.client import cli as client_cli
 from dadfl.server import cli as server_cli
+from dadfl.server.processes import simulate_processes
 
 from .config import ConfigError, load_config, validate_config
 from .metrics import MetricsWriter
 from .report import human_bytes, write_plots
 from .simulation import SimulationConfig, StrategySpec, run_directory, simulate
-from dadfl.server.processes import simulate_processes
 
 app = typer.Typer(help="Federated learning that shares auto-differentiation factors.", no_args_is_help=True)
 console = Console()
