@@ -105,6 +105,23 @@ class ServerHalf(Protocol):
         every site receives."""
 
 
+class LayerwiseServer:
+    """A one-phase server half: dense means, plus what ``aggregate_layer`` makes of each
+    captured layer's entries."""
+
+    layout: Layout
+
+    def aggregate(self, payloads: Sequence[Payload]) -> Payload:
+        total = sum(p.num_samples for p in payloads)
+        tensors = dense_aggregate(payloads, self.layout.uncovered, self.layout.buffers)
+        for layer in self.layout.layers:
+            tensors.update(self.aggregate_layer(layer, payloads, total))
+        return Payload(payloads[0].step, payloads[0].phase, total, tensors)
+
+    def aggregate_layer(self, layer: CapturedLayer, payloads: Sequence[Payload], total: int) -> dict:
+        raise NotImplementedError  # pragma: no cover - every subclass defines it
+
+
 @dataclass(frozen=True)
 class Strategy:
     """Options of one strategy, and the factory of its matching halves.

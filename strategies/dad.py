@@ -23,14 +23,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-import torch
-
 from .base import (
+    LayerwiseServer,
     GRAD_ROLE,
     LocalResult,
     Payload,
     Strategy,
-    dense_aggregate,
     dense_upload,
     group_rows,
     may_share,
@@ -79,7 +77,7 @@ class FactorSite:
         return None
 
 
-class FactorServer:
+class FactorServer(LayerwiseServer):
     """Server half: stack factor rows, or reduce to the dense mean, per layer."""
 
     def __init__(self, layout: Layout, downlink: str):
@@ -87,13 +85,6 @@ class FactorServer:
             raise ValueError(f"downlink={downlink!r} is not one of {', '.join(DOWNLINKS)}")
         self.layout = layout
         self.downlink = downlink
-
-    def aggregate(self, payloads: Sequence[Payload]) -> Payload:
-        total = sum(p.num_samples for p in payloads)
-        tensors = dense_aggregate(payloads, self.layout.uncovered, self.layout.buffers)
-        for layer in self.layout.layers:
-            tensors.update(self.aggregate_layer(layer, payloads, total))
-        return Payload(payloads[0].step, payloads[0].phase, total, tensors)
 
     def aggregate_layer(self, layer: CapturedLayer, payloads: Sequence[Payload], total: int) -> dict:
         a_key, d_key = tensor_key(layer.module, "A"), tensor_key(layer.module, "D")

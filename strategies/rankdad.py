@@ -44,12 +44,12 @@ from typing import Sequence
 import torch
 
 from .base import (
+    LayerwiseServer,
     GRAD_ROLE,
     LocalResult,
     Payload,
     Strategy,
     check_raw_input,
-    dense_aggregate,
     dense_upload,
     may_share,
     sum_in_order,
@@ -128,7 +128,7 @@ def _dense_layer(local: LocalResult, layer: CapturedLayer) -> dict[str, torch.Te
     return tensors
 
 
-class RankDADServer:
+class RankDADServer(LayerwiseServer):
     """Server half: concatenate (or re-reduce) the sites' factors; average dense parts."""
 
     def __init__(self, layout: Layout, strategy: "RankDAD"):
@@ -136,13 +136,6 @@ class RankDADServer:
         self.options = strategy
         self.generators = _Generators(strategy.seed)
         self.memory: dict[str, torch.Tensor] = {}  # warm start of the re-reduction
-
-    def aggregate(self, payloads: Sequence[Payload]) -> Payload:
-        total = sum(p.num_samples for p in payloads)
-        tensors = dense_aggregate(payloads, self.layout.uncovered, self.layout.buffers)
-        for layer in self.layout.layers:
-            tensors.update(self.aggregate_layer(layer, payloads, total))
-        return Payload(payloads[0].step, payloads[0].phase, total, tensors)
 
     def aggregate_layer(self, layer: CapturedLayer, payloads: Sequence[Payload], total: int) -> dict:
         p_key, q_key = tensor_key(layer.module, "P"), tensor_key(layer.module, "Q")

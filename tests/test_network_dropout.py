@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 
 import grpc
-import pytest
 
 import dadfl.client.site as site_module
 from dadfl.metrics import read_metrics
