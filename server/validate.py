@@ -54,9 +54,10 @@ class UploadCheck:
             self._check_tensor(key, tensor)
         for name, layer in self.layers.items():
             a, d = payload.tensors.get(f"{name}:A"), payload.tensors.get(f"{name}:D")
-            if (a is None) != (d is None):
-                raise PayloadError(f"layer {name!r}: activations and deltas must travel together")
-            if a is not None and a.shape[1] != d.shape[1]:
+            if d is not None and a is None:
+                raise PayloadError(f"layer {name!r}: deltas without activations")
+            # edAD sends hidden layers' activations alone: their deltas are recomputed
+            if a is not None and d is not None and a.shape[1] != d.shape[1]:
                 raise PayloadError(f"layer {name!r}: {a.shape[1]} activation rows but {d.shape[1]} delta rows")
 
     def _parameter_factor(self, where: str, name: str, role: str, tensor: torch.Tensor) -> tuple:
