@@ -90,7 +90,26 @@ class Factors:
     D: torch.Tensor
 
 
-class SiteHalf(Protocol):
+StateDict = dict[str, torch.Tensor]
+
+
+class HalfState(Protocol):
+    """What a half carries from one step to the next, for checkpoints and resume.
+
+    Tensors only (ints as 0-dim int64 tensors, RNG states as uint8 tensors), so a state
+    is saved with ``torch.save`` and loaded with ``torch.load(weights_only=True)``.
+    Contract: between two steps, ``fresh.load_state_dict(half.state_dict())`` makes
+    ``fresh`` behave bit-identically to ``half`` from then on. Stateless halves return {}.
+    """
+
+    def state_dict(self) -> StateDict:
+        """The half's carried state, as tensors (copies: later steps do not change it)."""
+
+    def load_state_dict(self, state: StateDict) -> None:
+        """Replace the half's carried state; refuse (ValueError) a state it cannot use."""
+
+
+class SiteHalf(HalfState, Protocol):
     def begin(self, local: LocalResult, step: int) -> Payload:
         """Payload of phase 0 from one local forward/backward."""
 
@@ -99,13 +118,42 @@ class SiteHalf(Protocol):
         None after the last phase."""
 
 
-class ServerHalf(Protocol):
+class ServerHalf(HalfState, Protocol):
     def aggregate(self, payloads: Sequence[Payload]) -> Payload:
         """Combine the sites' payloads of one phase (in site order) into the message
         every site receives."""
 
 
-class LayerwiseServer:
+class Stateless:
+    """A half that carries nothing from one step to the next."""
+
+    def state_dict(self) -> StateDict:
+        return {}
+
+    def load_state_dict(self, state: StateDict) -> None:
+        if state:
+            raise ValueError(f"{type(self).__name__} keeps no state, got keys {sorted(state)[:5]}")
+
+
+def tensors_under(state: StateDict, prefix: str) -> dict[str, torch.Tensor]:
+    """The entries of ``state`` whose key starts with ``prefix + '/'``, prefix removed."""
+    start = prefix + "/"
+    return {key[len(start) :]: value for key, value in state.items() if key.startswith(start)}
+
+
+def with_prefix(prefix: str, tensors: dict[str, torch.Tensor]) -> StateDict:
+    """``tensors`` under ``prefix + '/'``, cloned so later steps do not change them."""
+    return {f"{prefix}/{key}": value.detach().clone() for key, value in tensors.items()}
+
+
+def check_state_keys(owner: str, state: StateDict, prefixes: Sequence[str]) -> None:
+    """Refuse a state with keys no prefix of ``owner`` explains (e.g. another strategy's)."""
+    unknown = sorted(key for key in state if key.split("/", 1)[0] not in prefixes)
+    if unknown:
+        raise ValueError(f"{owner}: state has unknown keys {unknown[:5]}; expected keys under {list(prefixes)}")
+
+
+class LayerwiseServer(Stateless):
     """A one-phase server half: dense means, plus what ``aggregate_layer`` makes of each
     captured layer's entries."""
 

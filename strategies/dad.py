@@ -28,6 +28,7 @@ from .base import (
     GRAD_ROLE,
     LocalResult,
     Payload,
+    Stateless,
     Strategy,
     dense_upload,
     group_rows,
@@ -53,7 +54,7 @@ def factor_cost(layer: CapturedLayer, rows: int) -> int:
     return rows * (layer.in_features + layer.out_features)
 
 
-class FactorSite:
+class FactorSite(Stateless):
     """Site half: per layer, activations and deltas where ``sends_factors`` says so."""
 
     def __init__(self, layout: Layout, sends_factors: Callable[[CapturedLayer, int], bool]):

@@ -18,11 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from .base import LocalResult, Payload, Strategy, dense_aggregate, dense_upload
+from .base import LocalResult, Payload, Stateless, Strategy, dense_aggregate, dense_upload
 from .layout import Layout
 
 
-class DenseSite:
+class DenseSite(Stateless):
     """Site half shared by dSGD and by any strategy whose single phase is all dense."""
 
     def __init__(self, layout: Layout):
@@ -36,7 +36,7 @@ class DenseSite:
         return None
 
 
-class DenseServer:
+class DenseServer(Stateless):
     def __init__(self, layout: Layout):
         self.layout = layout
 

@@ -37,6 +37,7 @@ from torch import nn
 from .base import (
     LocalResult,
     Payload,
+    Stateless,
     Strategy,
     check_raw_input,
     decode_message,
@@ -119,7 +120,7 @@ def recompute_deltas(chain: Sequence[ChainLink], params: dict[str, torch.Tensor]
     return full
 
 
-class EDADSite:
+class EDADSite(Stateless):
     def __init__(self, layout: Layout, chain: Sequence[ChainLink], raw_input: str):
         self.layout = layout
         self.factored = [link.layer for link in chain if may_share(link.layer, raw_input, "activations")]
@@ -145,7 +146,7 @@ class EDADSite:
         return None
 
 
-class EDADServer:
+class EDADServer(Stateless):
     def __init__(self, layout: Layout, chain: Sequence[ChainLink], site: EDADSite, downlink: str, model: nn.Module):
         self.layout, self.chain, self.site, self.downlink = layout, chain, site, downlink
         self.params = dict(model.named_parameters())

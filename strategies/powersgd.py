@@ -61,12 +61,17 @@ from .base import (
     GRAD_ROLE,
     LocalResult,
     Payload,
+    StateDict,
+    Stateless,
     Strategy,
+    check_state_keys,
     dense_aggregate,
     dense_upload,
     split_key,
     sum_in_order,
     tensor_key,
+    tensors_under,
+    with_prefix,
 )
 from .layout import Layout
 
@@ -181,6 +186,25 @@ class _QSource:
             for matrix in plan_.matrices
         }
 
+    def state_dict(self) -> StateDict:
+        """The RandomState's Mersenne Twister state as tensors (key words, position, Gaussian cache)."""
+        kind, keys, pos, has_gauss, cached = self.rng.get_state()
+        assert kind == "MT19937"  # the only bit generator RandomState has
+        return {
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": torch.tensor(pos, dtype=torch.int64),
+            "has_gauss": torch.tensor(has_gauss, dtype=torch.int64),
+            "cached_gaussian": torch.tensor(cached, dtype=torch.float64),
+        }
+
+    def load_state_dict(self, state: StateDict) -> None:
+        keys = state["keys"]
+        if keys.shape != (624,) or keys.dtype != torch.int64:
+            raise ValueError(f"powersgd: Q random state has keys of shape {tuple(keys.shape)}, expected (624,) int64")
+        self.rng.set_state(
+            ("MT19937", keys.cpu().numpy().astype(np.uint32), int(state["pos"]), int(state["has_gauss"]), float(state["cached_gaussian"]))
+        )
+
 
 class PowerSGDSite:
     """Site half: M_s Q up, P̂ down; M_sᵀ P̂ up, Q down; error memory and warm start."""
@@ -241,8 +265,34 @@ class PowerSGDSite:
         self.M, self.p_hat = {}, {}
         return None
 
+    def state_dict(self) -> StateDict:
+        """Error memory, warm-start Q and the random-Q source, as they stand between steps."""
+        return {
+            **with_prefix("errors", self.errors),
+            **with_prefix("q_memory", self.q_memory),
+            **with_prefix("q_rng", self.q_source.state_dict()),
+        }
 
-class PowerSGDServer:
+    def load_state_dict(self, state: StateDict) -> None:
+        check_state_keys("powersgd site", state, ("errors", "q_memory", "q_rng"))
+        names = {matrix.name: matrix for matrix in self.plan.matrices}
+        errors, q_memory = tensors_under(state, "errors"), tensors_under(state, "q_memory")
+        for kind, tensors, shape_of in (
+            ("errors", errors, lambda m: (m.n, m.m)),
+            ("q_memory", q_memory, lambda m: (m.m, m.r)),
+        ):
+            for name, tensor in tensors.items():
+                if name not in names or tuple(tensor.shape) != shape_of(names[name]):
+                    raise ValueError(
+                        f"powersgd site: state {kind}/{name} of shape {tuple(tensor.shape)} does not fit "
+                        "this model and rank (saved by another run or configuration?)"
+                    )
+        self.q_source.load_state_dict(tensors_under(state, "q_rng"))
+        self.errors = {name: tensor.clone() for name, tensor in errors.items()}
+        self.q_memory = {name: tensor.clone() for name, tensor in q_memory.items()}
+
+
+class PowerSGDServer(Stateless):
     """Server half: P̂ = orth(Σ (n_s/N) P_s) with the dense means; then Q = Σ (n_s/N) Q_s."""
 
     def __init__(self, layout: Layout, strategy: "PowerSGD"):

@@ -48,12 +48,16 @@ from .base import (
     GRAD_ROLE,
     LocalResult,
     Payload,
+    StateDict,
     Strategy,
     check_raw_input,
+    check_state_keys,
     dense_upload,
     may_share,
     sum_in_order,
     tensor_key,
+    tensors_under,
+    with_prefix,
 )
 from .layout import CapturedLayer, Layout
 from .power_iteration import effective_rank, make_generator, power_iteration, reduce_sum
@@ -77,6 +81,29 @@ class _Generators:
         if device not in self._by_device:
             self._by_device[device] = make_generator(self.seed, device)
         return self._by_device[device]
+
+    def state_dict(self) -> StateDict:
+        """Each used generator's state (uint8), keyed by its device."""
+        return {str(device): generator.get_state() for device, generator in self._by_device.items()}
+
+    def load_state_dict(self, state: StateDict) -> None:
+        self._by_device = {}
+        for device, rng_state in state.items():
+            generator = make_generator(self.seed, device)
+            generator.set_state(rng_state.to(torch.uint8).cpu())
+            self._by_device[torch.device(device)] = generator
+
+
+def warm_start_state(memory: dict[str, torch.Tensor], generators: _Generators) -> StateDict:
+    """Warm-start Q per layer and the power iteration's generators (site and server alike)."""
+    return {**with_prefix("memory", memory), **with_prefix("rng", generators.state_dict())}
+
+
+def load_warm_start(owner: str, state: StateDict, generators: _Generators) -> dict[str, torch.Tensor]:
+    """Restore the generators from ``state``; return its warm-start memory."""
+    check_state_keys(owner, state, ("memory", "rng"))
+    generators.load_state_dict(tensors_under(state, "rng"))
+    return {name: tensor.clone() for name, tensor in tensors_under(state, "memory").items()}
 
 
 class RankDADSite:
@@ -120,6 +147,12 @@ class RankDADSite:
     def receive(self, message: Payload) -> None:
         return None
 
+    def state_dict(self) -> StateDict:
+        return warm_start_state(self.memory, self.generators)
+
+    def load_state_dict(self, state: StateDict) -> None:
+        self.memory = load_warm_start("rankdad site", state, self.generators)
+
 
 def _dense_layer(local: LocalResult, layer: CapturedLayer) -> dict[str, torch.Tensor]:
     tensors = {tensor_key(layer.weight, GRAD_ROLE): local.grads[layer.weight]}
@@ -136,6 +169,12 @@ class RankDADServer(LayerwiseServer):
         self.options = strategy
         self.generators = _Generators(strategy.seed)
         self.memory: dict[str, torch.Tensor] = {}  # warm start of the re-reduction
+
+    def state_dict(self) -> StateDict:
+        return warm_start_state(self.memory, self.generators)
+
+    def load_state_dict(self, state: StateDict) -> None:
+        self.memory = load_warm_start("rankdad server", state, self.generators)
 
     def aggregate_layer(self, layer: CapturedLayer, payloads: Sequence[Payload], total: int) -> dict:
         p_key, q_key = tensor_key(layer.module, "P"), tensor_key(layer.module, "Q")
