@@ -63,8 +63,8 @@ def main(rank: int, port: str, folder: Path, spec: dict) -> None:
     ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     optimizer = config.optimizer.build(ddp.parameters())
     losses, sent = [], []
-    for _ in range(spec["steps"]):
-        inputs, targets = next(batches)
+    for step in range(spec["steps"]):
+        inputs, targets = batches.at(step)
         optimizer.zero_grad()
         before = counter[0]
         loss = workload.loss(ddp(inputs), targets).mean()

@@ -22,6 +22,8 @@ def site(
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         settings = load_config(config, SiteConfig)
+        if settings.state_dir is None:
+            settings = settings.model_copy(update={"state_dir": config.parent / f"{settings.site_id}-state"})
         summary = run_site(settings, insecure=insecure)
     except (ConfigError, SiteRefused, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -8,14 +8,20 @@ it computes.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from dadfl.config import StrictModel
 
 
-class PartitionData(StrictModel):
+class LoaderOptions(StrictModel):
+    """How the site's DataLoader reads its samples (any data source)."""
+
+    num_workers: int = Field(0, ge=0, description="DataLoader worker processes; 0 reads in the site's process")
+
+
+class PartitionData(LoaderOptions):
     """This site's share of a built-in workload's training set (demos, simulations)."""
 
     source: Literal["partition"] = "partition"
@@ -33,11 +39,21 @@ class PartitionData(StrictModel):
         return self
 
 
-class FileData(StrictModel):
+class FileData(LoaderOptions):
     """Local data: a .npz (arrays ``inputs`` and ``targets``) or .pt (dict of tensors) file."""
 
     source: Literal["file"] = "file"
     path: Path
+    batch_seed: int = 0
+
+
+class DatasetData(LoaderOptions):
+    """Local data from the site's own code: ``factory(**options)`` returns a map-style
+    ``torch.utils.data.Dataset`` whose items are ``(inputs, target)`` pairs."""
+
+    source: Literal["dataset"] = "dataset"
+    factory: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", description="'package.module:function'")
+    options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the factory")
     batch_seed: int = 0
 
 
@@ -54,6 +70,11 @@ class SiteConfig(StrictModel):
     site_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
     token: str = Field(min_length=16)
     connect: ConnectConfig
-    data: PartitionData | FileData = Field(discriminator="source")
+    data: PartitionData | FileData | DatasetData = Field(discriminator="source")
     device: str = Field("auto", description="'auto' (CUDA when present), 'cpu', 'cuda' or 'cuda:N'")
     threads: int = Field(0, ge=0, description="torch CPU threads; 0 keeps torch's default")
+    state_dir: Path | None = Field(
+        None,
+        description="where the site keeps its strategy state between steps, so a restarted site rejoins "
+        "bit-identically ('dadfl site' defaults to <site_id>-state next to the config file; unset: memory only)",
+    )

@@ -6,8 +6,11 @@ server sends (workload, strategy, optimizer, batch size), answers with its model
 fingerprint, loads the state the server sends, then follows the server step by step:
 local forward/backward, the strategy's site half for every phase, apply the update,
 report the weights fingerprint. When its weights differ from the server's at the start
-of a step it asks for the full state. A dropped connection is retried with exponential
-backoff; refusals (unknown site, bad token, wrong layout) end the site with the reason.
+of a step it asks for the full state. Its strategy half's state is saved after every step
+(``half_states.py``) and restored when the server begins a step the half is not at (a
+restarted coordinator replaying from its checkpoint, an aborted attempt, a restarted
+site). A dropped connection is retried with exponential backoff; refusals (unknown site,
+bad token, wrong layout) end the site with the reason.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 import grpc
-import numpy as np
 import torch
 
 from dadfl.protos import coordinator_pb2 as cpb
@@ -33,9 +35,11 @@ from dadfl.protos.codec import PayloadAssembler, codec_id, encode_payload
 from dadfl.protos.state import load_state
 from dadfl.replica import OptimizerConfig, Replica, resolve_device
 from dadfl.strategies import Payload, make_strategy, weights_fingerprint
-from dadfl.workloads import Split, load_workload, partition, site_batches
+from dadfl.workloads import StepBatches, load_workload
 
-from .config import FileData, SiteConfig
+from .config import SiteConfig
+from .data import load_site_batches
+from .half_states import HalfStates
 
 log = logging.getLogger("dadfl.site")
 
@@ -58,6 +62,10 @@ class GaveUp(RuntimeError):
     """The server stayed unreachable for ``connect.max_attempts`` attempts in a row."""
 
 
+class StateLost(RuntimeError):
+    """A saved strategy state the site announced is gone: rejoin so the server resets it."""
+
+
 @dataclass
 class SiteSummary:
     steps: int = 0  # steps this site completed
@@ -73,35 +81,28 @@ class Run:
 
     config: cpb.RunConfig
     replica: Replica
-    batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
+    batches: StepBatches
     codec: int
+    states: HalfStates
+    half_step: int | None = 0  # the step whose start the half holds; None in the middle of a step
 
-
-def load_site_data(config: SiteConfig, workload, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    data = config.data
-    if isinstance(data, FileData):
-        split = read_data_file(data.path)
-        return site_batches(split, torch.arange(len(split)), batch_size, seed=data.batch_seed)
-    indices = partition(
-        data.num_sites, len(workload.train), data.scheme, labels=workload.labels, alpha=data.alpha, seed=data.seed
-    )
-    seed = data.batch_seed if data.batch_seed is not None else data.seed + data.site_index
-    return site_batches(workload.train, indices[data.site_index], batch_size, seed=seed)
-
-
-def read_data_file(path) -> Split:
-    """``inputs``/``targets`` from a .npz (numpy arrays) or .pt (dict of tensors) file."""
-    if path.suffix == ".npz":
-        with np.load(path) as arrays:
-            data = {k: torch.from_numpy(arrays[k]) for k in arrays.files}
-    elif path.suffix == ".pt":
-        data = torch.load(path, weights_only=True)
-    else:
-        raise ValueError(f"data.path {path}: use a .npz or .pt file holding 'inputs' and 'targets'")
-    missing = {"inputs", "targets"} - set(data)
-    if missing:
-        raise ValueError(f"data.path {path}: missing {', '.join(sorted(missing))} (found {', '.join(sorted(data)) or 'nothing'})")
-    return Split(data["inputs"], data["targets"])
+    def prepare_half(self, begin: cpb.StepBegin) -> None:
+        """Bring the strategy half to the start of ``begin.step``: reset, restore or keep."""
+        replica, step = self.replica, begin.step
+        if begin.reset_strategy_state:
+            replica.half = replica.strategy.site(replica.layout, replica.model)
+            self.states.save(step, replica.half.state_dict())
+        elif self.half_step != step:
+            fresh = replica.strategy.site(replica.layout, replica.model)
+            if step:
+                state = self.states.load(step)
+                if state is None:
+                    self.states.forget(step)
+                    raise StateLost(f"the saved strategy state at step {step} is gone; rejoining so the server resets it")
+                fresh.load_state_dict(state)
+            replica.half = fresh
+        self.half_step = step
+        self.states.keep_only({begin.checkpoint_step, step})
 
 
 class Session:
@@ -141,7 +142,10 @@ class Session:
         if kind == "config":
             self.site.prepare(message.config)
             self.assembler = PayloadAssembler(message.config.max_payload_bytes)
-            self.send(ready=cpb.Ready(layout_fingerprint=self.site.run.replica.layout.fingerprint()))
+            run = self.site.run
+            self.send(ready=cpb.Ready(
+                layout_fingerprint=run.replica.layout.fingerprint(), strategy_state_steps=sorted(run.states.steps())
+            ))
         elif kind == "chunk":
             assembled = self.assembler.feed(message.chunk)
             if assembled is not None:
@@ -171,9 +175,7 @@ class Session:
 
     def on_step_begin(self, begin: cpb.StepBegin) -> None:
         self.step, self.messages = begin, []
-        run = self.site.run
-        if begin.reset_strategy_state:
-            run.replica.half = run.replica.strategy.site(run.replica.layout, run.replica.model)
+        self.site.run.prepare_half(begin)
         if self.site.summary.fingerprint != begin.fingerprint:
             self.waiting_for_sync = True
             self.send(sync_request=cpb.SyncRequest(step=begin.step, fingerprint=self.site.summary.fingerprint))
@@ -182,8 +184,9 @@ class Session:
 
     def start_step(self) -> None:
         run, begin = self.site.run, self.step
-        inputs, targets = next(run.batches)
+        inputs, targets = run.batches.at(begin.step)
         local = run.replica.local(inputs, targets)
+        run.half_step = None  # from here until the update is applied the half holds part of a step
         payload = run.replica.half.begin(local, begin.step)
         self.upload(payload, loss_sum=local.loss_sum)
 
@@ -207,6 +210,9 @@ class Session:
             self.upload(reply)
             return
         fingerprint = replica.apply(self.messages)
+        run = self.site.run
+        run.states.save(self.step.step + 1, replica.half.state_dict())  # before step_done: a kill after it loses nothing
+        run.half_step = self.step.step + 1
         self.site.summary.fingerprint = fingerprint
         self.site.summary.steps += 1
         self.send(step_done=cpb.StepDone(step=self.step.step, attempt=self.step.attempt, fingerprint=fingerprint))
@@ -229,8 +235,9 @@ class Site:
         strategy = make_strategy(config.strategy, **json.loads(config.strategy_options))
         optimizer = OptimizerConfig.model_validate(json.loads(config.optimizer))
         replica = Replica(workload, strategy, optimizer, resolve_device(self.config.device))
-        batches = load_site_data(self.config, workload, config.batch_size)
-        self.run = Run(config, replica, batches, codec_id(config.codec))
+        batches = load_site_batches(self.config, workload, config.batch_size, replica.device)
+        states = HalfStates(self.config.state_dir, config.run_id, replica.device)
+        self.run = Run(config, replica, batches, codec_id(config.codec), states)
         log.info("site %s: run %s, %s with %s, %d steps", self.config.site_id, config.run_id, config.workload, config.strategy, config.steps)
 
     def connect_once(self, channel: grpc.Channel) -> bool:
@@ -285,6 +292,8 @@ def run_site(config: SiteConfig, insecure: bool = False) -> SiteSummary:
             if exc.code() in PERMANENT:
                 raise SiteRefused(f"site {config.site_id} refused by {connect.server}: {exc.details()}") from None
             reason = f"{exc.code().name}: {exc.details()}"
+        except StateLost as exc:
+            reason = str(exc)
         finally:
             channel.close()
         if site.summary.steps > steps_before:

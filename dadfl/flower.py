@@ -56,7 +56,7 @@ import pickle
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -71,7 +71,7 @@ from flwr.serverapp import Grid, ServerApp  # noqa: E402
 
 from dadfl.protos.state import load_state, state_payload
 from dadfl.strategies import Payload, make_strategy, weights_fingerprint
-from dadfl.workloads import Split, Workload, load_workload, partition, site_batches
+from dadfl.workloads import Split, StepBatches, Workload, load_workload, partition, site_batches
 
 from .config import load_config, validate_config
 from .metrics import MetricsWriter
@@ -196,13 +196,13 @@ def workload_for(config: SimulationConfig) -> Workload:
     return _cached_workload(config.workload, json.dumps(config.workload_options, sort_keys=True))
 
 
-# Minibatch streams by (run, node, partition index): where the last message left them.
-# Only a shortcut; a process that lacks one rebuilds it and skips to the step's batch.
-_batch_streams: dict[tuple[int, int, int], tuple[Iterator[tuple[torch.Tensor, torch.Tensor]], int]] = {}
+# Minibatches by (run, node, partition index). Only a shortcut: a step's batch depends on
+# (seed, step) alone, so a process that lacks them rebuilds them.
+_batch_streams: dict[tuple[int, int, int], StepBatches] = {}
 
 
 def _read_data_file(path: Path) -> Split:
-    from dadfl.client.site import read_data_file  # the gRPC site's reader: same file formats
+    from dadfl.client.data import read_data_file  # the gRPC site's reader: same file formats
 
     if not path.is_file():
         raise ValueError(f"node config data-path={str(path)!r}: no such file on this SuperNode")
@@ -228,20 +228,15 @@ def site_data(
 def batch_for_step(
     context: Context, config: SimulationConfig, workload: Workload, partition_index: int, step: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``step``-th minibatch of the node's stream: the batch the in-process simulation draws
-    for the site at that step, whichever process asks (a restarted step gets the same batch)."""
+    """The node's minibatch at ``step``: the batch the in-process simulation draws for the
+    site at that step, whichever process asks (a restarted step gets the same batch)."""
     key = (context.run_id, context.node_id, partition_index)
     for stale in [k for k in _batch_streams if k[0] != context.run_id]:
         del _batch_streams[stale]  # a long-lived worker serves run after run
-    stream, position = _batch_streams.get(key, (None, step + 1))
-    if stream is None or position > step:
+    if key not in _batch_streams:
         split, index = site_data(config, workload, context.node_config, partition_index)
-        stream, position = site_batches(split, index, config.batch_size, seed=config.seed + partition_index), 0
-    for _ in range(step - position):
-        next(stream)
-    batch = next(stream)
-    _batch_streams[key] = (stream, step + 1)
-    return batch
+        _batch_streams[key] = site_batches(split, index, config.batch_size, seed=config.seed + partition_index)
+    return _batch_streams[key].at(step)
 
 
 @dataclass

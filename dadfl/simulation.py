@@ -129,7 +129,7 @@ def _simulate(config: SimulationConfig, spec: StrategySpec, metrics: MetricsWrit
     seconds = 0.0
     for step in range(config.steps):
         start = time.perf_counter()
-        locals_ = [site.local(*next(batch)) for site, batch in zip(sites, batches)]
+        locals_ = [site.local(*batch.at(step)) for site, batch in zip(sites, batches)]
         messages, traffic = exchange([site.half for site in sites], server, locals_, step)
         fingerprints = {replica.apply(messages) for replica in [*sites, coordinator]}
         elapsed = time.perf_counter() - start

@@ -1,7 +1,7 @@
 """Atomic checkpoints of the coordinator's replica, and resuming from them.
 
-A checkpoint holds the model and optimizer state, the next step to run, the run id,
-and the identity of the run (workload, strategy, optimizer) so a restart with a
+A checkpoint holds the model and optimizer state, the server strategy half's state at
+the start of the next step, the next step to run, the run id, and the identity of the run (workload, strategy, optimizer) so a restart with a
 different config is refused instead of silently mixing runs. Files are written to a
 temporary name, flushed to disk and renamed (``os.replace``), so a crash leaves either
 the old or the new checkpoint, never a torn one.
@@ -26,6 +26,7 @@ FINAL_MODEL = "model.pt"
 class Resumed:
     next_step: int
     run_id: str
+    strategy_state: dict[str, torch.Tensor] | None  # None: a checkpoint written before states were kept
 
 
 def atomic_save(obj, path: Path) -> None:
@@ -37,13 +38,16 @@ def atomic_save(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def save_checkpoint(run_dir: Path, replica: Replica, next_step: int, run_id: str, identity: dict) -> None:
+def save_checkpoint(
+    run_dir: Path, replica: Replica, next_step: int, run_id: str, identity: dict, strategy_state: dict[str, torch.Tensor]
+) -> None:
     state = {
         "next_step": next_step,
         "run_id": run_id,
         "identity": identity,
         "model": replica.model.state_dict(),
         "optimizer": replica.optimizer.state_dict(),
+        "strategy_state": strategy_state,
     }
     atomic_save(state, run_dir / CHECKPOINT)
 
@@ -66,7 +70,7 @@ def resume(run_dir: Path, replica: Replica, identity: dict) -> Resumed | None:
         )
     replica.model.load_state_dict(state["model"])
     replica.optimizer.load_state_dict(state["optimizer"])
-    return Resumed(state["next_step"], state["run_id"])
+    return Resumed(state["next_step"], state["run_id"], state.get("strategy_state"))
 
 
 def trim_metrics(path: Path, next_step: int) -> None:

@@ -8,23 +8,32 @@ drives the strategy's server half over the sites that are connected, in site-id 
 2. ``step_begin`` to every participant, then per phase: collect every participant's
    upload in the order they arrive (``phase_timeout_s``), check each as it comes,
    aggregate, send the message to all;
-3. the first ``step_done`` commits the step (that site has applied the update): the
-   server applies the same update to its replica while the other sites apply theirs;
-   once every participant has reported, log metrics, evaluate and checkpoint on schedule.
+3. once every participant has reported ``step_done`` (it has applied the update and
+   saved its strategy state) the step is committed: the server applies the same update,
+   logs metrics, evaluates and checkpoints on schedule.
 
 Dropouts: a site lost during phase 0 is left out and the step completes with the rest
 (the server half divides by the samples that arrived) if the quorum holds. A site lost
 after phase 0 of a multi-phase strategy, or a lost quorum, aborts the step: no replica
 has applied anything yet, so the step simply restarts (next ``attempt``) once a quorum
-is connected again. After the step is committed a lost site is only left out of the
-fingerprint check. A site that reconnects receives the current state before its next step.
+is connected again. A site lost after the last phase but before its ``step_done`` also
+aborts the step: sites that already applied it get the server's state again (their
+weights differ from the step's start) and restore their strategy state. A site that
+reconnects receives the current state before its next step.
 
 Strategy state across steps (PowerSGD error feedback and warm start, rank-dAD warm
-start) lives in the strategy's halves. Whenever the set of participants changes (a site
-drops out or joins), after an aborted step, and after a server restart, every replica
-rebuilds its halves (``reset_strategy_state``): the state of every participant must
-describe the same federation, and a rejoining site's old state describes a past one.
-The cost is one step without warm start or error feedback; exactness is unaffected.
+start and memories) lives in the strategy's halves and is restored, never silently lost:
+the server checkpoints its half's state with the step; every site saves its half's state
+after each step and says in ``ready`` which steps it can restore; ``step_begin`` names
+the step (and the checkpoint step, the oldest one the server may replay from), and a
+site whose half is elsewhere restores its saved state at that step. An aborted attempt
+restores every half to the step's start. So a coordinator killed and restarted from its
+checkpoint, or a site killed and rejoining, ends with exactly the model of an
+uninterrupted run (with the same participants). Only when some participant cannot
+restore the step's state (a site that missed steps, joined mid-run or lost its state
+dir) does every replica rebuild its halves (``reset_strategy_state``, logged once):
+the state of every participant must describe the same federation. That costs one step
+without warm start or error feedback; exactness is unaffected.
 """
 
 from __future__ import annotations
@@ -61,6 +70,7 @@ PROTOCOL_VERSION = 1
 GRPC_FRAME_BYTES = 5  # length prefix of every gRPC message
 HANDSHAKE_TIMEOUT_S = 120.0  # a site builds its replica between config and ready
 MAX_ATTEMPTS_PER_STEP = 5
+MAX_STATE_STEPS = 8  # a site keeps three saved strategy states; more in its ready message are ignored
 INLINE_BYTES = 1 << 20  # smaller work runs on the event loop: a hop to a worker thread costs more
 SKIP = object()  # an event that does not answer the current round
 
@@ -113,6 +123,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         }
         resumed = checkpoint.resume(self.run_dir, self.replica, self.identity)
         self.step = resumed.next_step if resumed else 0
+        self.checkpoint_step = self.step  # the step a restart would replay from
         self.run_id = resumed.run_id if resumed else uuid.uuid4().hex[:12]
         if resumed:
             log.info("resuming run %s at step %d from %s", self.run_id, self.step, self.run_dir / checkpoint.CHECKPOINT)
@@ -124,8 +135,16 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         self.finished = False
         self.known_sites: set[str] = set()  # every site that took part in this server's run
         self.told_finished: set[str] = set()
-        self.last_participants: tuple[str, ...] | None = None  # None forces a strategy-state reset
         self.server_half = self.strategy.server(self.layout, self.replica.model)
+        self.reset_reason = ""  # set when the server half could not be restored: reset everywhere
+        if resumed and resumed.strategy_state is None:
+            self.reset_reason = "the checkpoint holds no strategy state"
+        elif resumed:
+            try:
+                self.server_half.load_state_dict(resumed.strategy_state)
+            except (KeyError, ValueError) as exc:
+                self.reset_reason = f"the checkpoint's strategy state does not load ({exc})"
+        self.half_at_step_start = self.server_half.state_dict()  # restored after an aborted attempt
 
     # ------------------------------------------------------------------ the site streams
 
@@ -198,6 +217,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                 f"{self.layout.fingerprint()}: site and server must run the same dadfl, torch and workload code",
             )
         link = SiteLink(hello.site_id, context.peer(), self.arrivals)
+        link.state_steps = frozenset(list(ready.strategy_state_steps)[:MAX_STATE_STEPS])
         previous = self.links.get(link.site_id)
         if previous is not None:
             previous.close(grpc.StatusCode.ABORTED, f"site {link.site_id} connected again; this older stream is replaced")
@@ -329,12 +349,11 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
     async def _run_step(self, participants: list[SiteLink], attempt: int) -> StepResult | None:
         """All phases of one step; None when it was aborted (nothing applied anywhere)."""
         step, min_sites = self.step, self.config.federation.min_sites
-        ids = tuple(link.site_id for link in participants)
-        reset = ids != self.last_participants
-        if reset:
-            self.server_half = self.strategy.server(self.layout, self.replica.model)
-        self.last_participants = ids
-        begin = cpb.ServerMessage(step_begin=cpb.StepBegin(step=step, fingerprint=self.fingerprint, reset_strategy_state=reset, attempt=attempt))
+        reset = self._strategy_state_reset(participants)
+        begin = cpb.ServerMessage(step_begin=cpb.StepBegin(
+            step=step, fingerprint=self.fingerprint, reset_strategy_state=reset, attempt=attempt,
+            checkpoint_step=self.checkpoint_step,
+        ))
         for link in participants:
             self._send(link, begin)
         active, messages, phase_seconds = participants, [], []
@@ -342,20 +361,22 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         phase = 0
         while True:
             started = time.perf_counter()
-            events, applying = {}, None
+            events = {}
             async for link, event in self._answers(active, step, attempt, phase):
                 events[link] = event
-                if isinstance(event, Done) and applying is None:
-                    # the site has applied the update: the step is over, apply it here while the others do
-                    applying = asyncio.ensure_future(self._off_loop(sum(m.nbytes() for m in messages), self.replica.apply, messages))
             uploads = [(link, e.payload) for link, e in events.items() if isinstance(e, Upload)]
-            if applying is not None:
+            lost = [link.site_id for link, e in events.items() if e is None]
+            dones = {link.site_id: e.fingerprint for link, e in events.items() if isinstance(e, Done)}
+            if dones:
                 for link, _ in uploads:
                     link.close(grpc.StatusCode.INVALID_ARGUMENT, f"site {link.site_id} sent a phase {phase} payload after the last phase of step {step}")
-                dones = {link.site_id: e.fingerprint for link, e in events.items() if isinstance(e, Done)}
-                fingerprint = await applying
+                if len(dones) < len(active):
+                    # Committing now would leave the others without their strategy state at the next
+                    # step: every replica returns to the step's start (sites that applied resync).
+                    missing = sorted({link.site_id for link in active} - set(dones))
+                    return self._abort(active, step, attempt, f"{', '.join(missing)} left before reporting step {step} done")
+                fingerprint = await self._off_loop(sum(m.nbytes() for m in messages), self.replica.apply, messages)
                 return StepResult(active, messages, samples, loss_sum, bytes_up, bytes_down, phase_seconds, dones, fingerprint)
-            lost = [link.site_id for link, e in events.items() if e is None]
             if lost and phase > 0:
                 return self._abort(active, step, attempt, f"{', '.join(lost)} left after phase 0, which already counted them")
             if len(uploads) < min_sites:
@@ -447,8 +468,24 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         for link in links:
             if not link.closed:
                 self._send(link, abort)
-        self.last_participants = None  # halves may hold half a step: rebuild them everywhere
+        self.server_half.load_state_dict(self.half_at_step_start)  # sites restore theirs at the next step_begin
         return None
+
+    def _strategy_state_reset(self, participants: list[SiteLink]) -> bool:
+        """Whether every half restarts fresh at this step: only when some participant, or the
+        server, cannot restore the step's state (logged with the reason)."""
+        missing = [link.site_id for link in participants if self.step not in link.state_steps]
+        if missing:
+            self.reset_reason = f"{', '.join(missing)} cannot restore the strategy state at step {self.step}"
+        if not self.reset_reason:
+            return False
+        log.warning("step %d: strategy state reset on every replica: %s", self.step, self.reset_reason)
+        self.reset_reason = ""
+        self.server_half = self.strategy.server(self.layout, self.replica.model)
+        self.half_at_step_start = self.server_half.state_dict()
+        for link in participants:
+            link.state_steps = frozenset({self.step})
+        return True
 
     async def _finish_step(self, result: StepResult, attempt: int, started: float, metrics: MetricsWriter) -> None:
         step, steps = self.step, self.config.training.steps
@@ -458,6 +495,10 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         if mismatched:
             log.warning("step %d: %s ended with different weights; they resync at the next step", step, ", ".join(mismatched))
         self.step += 1
+        self.half_at_step_start = self.server_half.state_dict()
+        for link in result.participants:
+            if link.site_id in result.site_fingerprints:  # it saved its half's state before reporting done
+                link.state_steps = frozenset({self.step})
         wire_up = {link.site_id: link.wire_up for link in result.participants}
         wire_down = {link.site_id: link.wire_down for link in result.participants}
         for link in result.participants:
@@ -489,4 +530,8 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         metrics.write(record)
         every = self.config.training.checkpoint_every
         if (every and (step + 1) % every == 0) or step + 1 == steps:
-            await asyncio.to_thread(checkpoint.save_checkpoint, self.run_dir, self.replica, self.step, self.run_id, self.identity)
+            await asyncio.to_thread(
+                checkpoint.save_checkpoint, self.run_dir, self.replica, self.step, self.run_id, self.identity,
+                self.half_at_step_start,
+            )
+            self.checkpoint_step = self.step

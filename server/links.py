@@ -67,6 +67,7 @@ class SiteLink:
     closed: bool = False
     wire_up: int = 0  # bytes of every message received / sent, gRPC framing included
     wire_down: int = 0
+    state_steps: frozenset[int] = frozenset()  # steps at whose start the site can restore its strategy half
 
     def deliver(self, event: Event) -> None:
         self.inbox.put_nowait(event)

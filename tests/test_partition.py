@@ -1,11 +1,11 @@
-"""Partitioning a training set across sites, and one site's minibatch stream."""
+"""Partitioning a training set across sites, and one site's minibatch of any step."""
 
 import numpy as np
 import pytest
 import torch
 from sklearn.datasets import load_digits
 
-from dadfl.workloads import Split, partition, site_batches
+from dadfl.workloads import Split, batch_positions, partition, site_batches
 
 
 @pytest.fixture(scope="module")
@@ -108,11 +108,11 @@ def numbered_split() -> Split:
 def test_site_batches_draw_only_the_sites_samples_a_full_epoch_at_a_time(numbered_split):
     index = torch.arange(0, 50, 2)  # 25 samples
     batches = site_batches(numbered_split, index, batch_size=8, seed=0)
-    epoch = [next(batches) for _ in range(3)]
+    epoch = [batches.at(step) for step in range(3)]
     assert all(inputs.shape == (8, 1) and targets.shape == (8,) for inputs, targets in epoch)
     drawn = torch.cat([targets for _, targets in epoch])
     assert len(drawn.unique()) == 24 and set(drawn.tolist()) <= set(index.tolist())
-    next_epoch = torch.cat([next(batches)[1] for _ in range(3)])
+    next_epoch = torch.cat([batches.at(step)[1] for step in range(3, 6)])
     assert not torch.equal(drawn, next_epoch)  # reshuffled
 
 
@@ -121,16 +121,31 @@ def test_site_batches_are_reproduced_by_their_seed(numbered_split):
     first = site_batches(numbered_split, index, batch_size=4, seed=7)
     again = site_batches(numbered_split, index, batch_size=4, seed=7)
     other = site_batches(numbered_split, index, batch_size=4, seed=8)
-    first_targets = [next(first)[1] for _ in range(20)]
-    assert all(torch.equal(t, next(again)[1]) for t in first_targets)
-    assert not all(torch.equal(t, next(other)[1]) for t in first_targets)
+    first_targets = [first.at(step)[1] for step in range(20)]
+    assert all(torch.equal(t, again.at(step)[1]) for step, t in enumerate(first_targets))
+    assert not all(torch.equal(t, other.at(step)[1]) for step, t in enumerate(first_targets))
+
+
+def test_the_batch_of_a_step_does_not_depend_on_what_was_drawn_before(numbered_split):
+    index = torch.arange(3, 40)  # 37 samples, 9 batches of 4 per epoch: steps cross epochs
+    in_order = site_batches(numbered_split, index, batch_size=4, seed=5)
+    expected = [in_order.at(step) for step in range(25)]
+    for start in (0, 7, 9, 17):
+        resumed = site_batches(numbered_split, index, batch_size=4, seed=5)
+        for step in range(start, 25):
+            inputs, targets = resumed.at(step)
+            assert torch.equal(inputs, expected[step][0]) and torch.equal(targets, expected[step][1]), (start, step)
+    replayed = [in_order.at(step)[1] for step in (3, 4, 3, 12)]  # going back (an aborted step, a restart)
+    assert all(torch.equal(t, expected[s][1]) for t, s in zip(replayed, (3, 4, 3, 12)))
+    positions = batch_positions(len(index), 4, seed=5, step=11)
+    assert torch.equal(index[positions], expected[11][1])
 
 
 def test_a_site_smaller_than_the_batch_gets_all_its_samples_each_time(numbered_split):
     index = torch.tensor([3, 9, 40])
     batches = site_batches(numbered_split, index, batch_size=16, seed=0)
-    for _ in range(3):
-        inputs, targets = next(batches)
+    for step in range(3):
+        inputs, targets = batches.at(step)
         assert sorted(targets.tolist()) == [3, 9, 40]
         assert torch.equal(inputs.squeeze(1).long(), targets)
 

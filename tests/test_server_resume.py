@@ -72,7 +72,7 @@ def test_killed_server_resumes_from_its_checkpoint_and_sites_follow(tmp_path):
 def test_resume_refuses_a_checkpoint_of_a_different_run(tmp_path):
     config = server_config(tmp_path)
     coordinator = Coordinator(config)
-    checkpoint.save_checkpoint(config.run_dir, coordinator.replica, 3, "abc", coordinator.identity)
+    checkpoint.save_checkpoint(config.run_dir, coordinator.replica, 3, "abc", coordinator.identity, {})
     assert Coordinator(config).step == 3
     other = server_config(tmp_path, strategy={"name": "dad"})
     with pytest.raises(ValueError, match="different strategy"):

@@ -3,11 +3,22 @@
 Built-in ones (``digits-mlp``, ``digits-cnn``, ``breast-cancer-mlp``, ``char-gru``,
 ``char-transformer``) use only data bundled with scikit-learn or Python; any other is
 plugged in as ``"package.module:factory"``. ``partition`` splits a training set across
-simulated sites (IID, label skew, quantity skew) and ``site_batches`` streams one
-site's minibatches.
+simulated sites (IID, label skew, quantity skew) and ``site_batches`` serves one
+site's minibatch of any step (``batches.py``).
 """
 
 from .base import BUILTIN, Split, Workload, load_workload
-from .partition import partition, site_batches
+from .batches import SplitDataset, StepBatches, batch_positions, site_batches
+from .partition import partition
 
-__all__ = ["BUILTIN", "Split", "Workload", "load_workload", "partition", "site_batches"]
+__all__ = [
+    "BUILTIN",
+    "Split",
+    "SplitDataset",
+    "StepBatches",
+    "Workload",
+    "batch_positions",
+    "load_workload",
+    "partition",
+    "site_batches",
+]

@@ -1,4 +1,4 @@
-"""Splitting one training set across simulated sites, and one site's minibatch stream.
+"""Splitting one training set across simulated sites.
 
 Schemes (the usual non-IID benchmarks of federated learning):
 
@@ -16,12 +16,11 @@ generator seeded by ``seed``, so a partition is reproduced from its arguments al
 from __future__ import annotations
 
 import math
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 
-from .base import Split
 
 SCHEMES = ("iid", "dirichlet", "quantity")
 
@@ -113,31 +112,3 @@ def _top_up(site_samples: list[list[int]], min_per_site: int) -> None:
             moved = min(min_per_site - len(samples), len(site_samples[donor]) - min_per_site)
             samples.extend(site_samples[donor][-moved:])
             del site_samples[donor][-moved:]
-
-
-def site_batches(
-    split: Split, index: torch.Tensor, batch_size: int, seed: int
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless ``(inputs, targets)`` minibatches from the samples ``index`` picks out of ``split``.
-
-    Each epoch reshuffles the site's samples with the site's own generator and yields
-    ``len(index) // batch_size`` full batches (the tail is left for a later epoch's
-    shuffle), so every batch of a site has the same size. A site with fewer samples than
-    ``batch_size`` yields all of them every time. Bad arguments fail here, not at the first
-    ``next``.
-    """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-    if len(index) == 0:
-        raise ValueError("site has no samples: cannot draw minibatches from an empty index")
-    return _endless_batches(split, index, min(batch_size, len(index)), torch.Generator().manual_seed(seed))
-
-
-def _endless_batches(
-    split: Split, index: torch.Tensor, size: int, generator: torch.Generator
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    while True:
-        order = index[torch.randperm(len(index), generator=generator)]
-        for start in range(0, len(order) - size + 1, size):
-            batch = order[start : start + size]
-            yield split.inputs[batch], split.targets[batch]

@@ -1,0 +1,117 @@
+"""A site's minibatches: the batch of step t is a pure function of (seed, t, the data).
+
+Each epoch of a site's n samples is its own permutation, drawn from a generator seeded by
+(seed, epoch); epoch e serves steps e·k … e·k + k − 1 with k = n // b full batches of
+b = min(batch_size, n) samples (the n − k·b left over are left out of that epoch only).
+So a replayed step — after a restart, a rejoin, an aborted attempt — draws exactly the
+batch it drew the first time, whatever was drawn before, in every mode (in-process
+simulation, site processes, Flower).
+
+Batches come from a ``torch.utils.data.DataLoader`` over a map-style ``Dataset`` with a
+batch sampler that yields those positions, so worker processes and pinned memory work
+as usual. Bit-identical replays need ``dataset[i]`` to be deterministic (no random
+augmentation inside ``__getitem__``).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+
+from .base import Split
+
+SEED_MASK = (1 << 64) - 1
+
+
+def epoch_permutation(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
+    """The order of the samples in ``epoch``: one permutation per (seed, epoch)."""
+    mixed = np.random.SeedSequence([seed & SEED_MASK, epoch]).generate_state(1, np.uint64)[0]
+    return torch.randperm(num_samples, generator=torch.Generator().manual_seed(int(mixed)))
+
+
+def batch_positions(num_samples: int, batch_size: int, seed: int, step: int) -> torch.Tensor:
+    """Positions (0 … num_samples − 1) of the samples of the batch at ``step``."""
+    return torch.tensor(next(iter(StepBatchSampler(num_samples, batch_size, seed, start=step))), dtype=torch.int64)
+
+
+def check_batching(num_samples: int, batch_size: int) -> None:
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    if num_samples == 0:
+        raise ValueError("site has no samples: cannot draw minibatches from an empty dataset")
+
+
+class StepBatchSampler(Sampler[list[int]]):
+    """Endless batches of dataset positions for steps ``start``, ``start + 1`` … (see module doc)."""
+
+    def __init__(self, num_samples: int, batch_size: int, seed: int, start: int = 0):
+        check_batching(num_samples, batch_size)
+        self.num_samples, self.batch_size, self.seed, self.start = num_samples, batch_size, seed, start
+
+    def __iter__(self) -> Iterator[list[int]]:
+        size = min(self.batch_size, self.num_samples)
+        per_epoch = self.num_samples // size
+        epoch, first = divmod(self.start, per_epoch)
+        while True:
+            order = epoch_permutation(self.num_samples, self.seed, epoch)
+            for slot in range(first, per_epoch):
+                yield order[slot * size : (slot + 1) * size].tolist()
+            epoch, first = epoch + 1, 0
+
+
+class SplitDataset(Dataset):
+    """The samples ``index`` picks out of a :class:`Split` (all of them by default)."""
+
+    def __init__(self, split: Split, index: torch.Tensor | None = None):
+        self.split = split
+        self.index = torch.arange(len(split)) if index is None else torch.as_tensor(index, dtype=torch.int64)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        sample = int(self.index[position])
+        return self.split.inputs[sample], self.split.targets[sample]
+
+
+class StepBatches:
+    """A site's minibatch of any step, served by a DataLoader (see module doc).
+
+    ``at(step)`` continues the loader when steps come in order and starts it again at
+    ``step`` otherwise (a replay), so workers prefetch the steps that follow.
+    """
+
+    def __init__(
+        self, dataset: Dataset, batch_size: int, seed: int, num_workers: int = 0, pin_memory: bool = False
+    ):
+        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+            raise TypeError(
+                f"{type(dataset).__name__} is not a map-style Dataset with __len__ and __getitem__: "
+                "minibatches are drawn by position so that a step's batch depends only on (seed, step)"
+            )
+        check_batching(len(dataset), batch_size)
+        self.dataset, self.batch_size, self.seed = dataset, batch_size, seed
+        self.num_workers, self.pin_memory = num_workers, pin_memory
+        self._loader: Iterator | None = None
+        self._next_step = -1
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def at(self, step: int):
+        """The ``(inputs, targets)`` batch of ``step``."""
+        if self._loader is None or step != self._next_step:
+            sampler = StepBatchSampler(len(self.dataset), self.batch_size, self.seed, start=step)
+            self._loader = iter(
+                DataLoader(self.dataset, batch_sampler=sampler, num_workers=self.num_workers, pin_memory=self.pin_memory)
+            )
+        self._next_step = step + 1
+        return next(self._loader)
+
+
+def site_batches(split: Split, index: torch.Tensor, batch_size: int, seed: int) -> StepBatches:
+    """The minibatches of the samples ``index`` picks out of ``split`` (simulations, demos)."""
+    return StepBatches(SplitDataset(split, index), batch_size, seed)
