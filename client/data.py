@@ -81,7 +81,7 @@ def dataset_from_factory(data: DatasetData) -> Dataset:
         dataset = function(**data.options)
     except TypeError as exc:
         raise ValueError(f"data.factory {data.factory!r} does not accept data.options {sorted(data.options)}: {exc}") from None
-    if isinstance(dataset, IterableDataset) or not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+    if not isinstance(dataset, Dataset) or isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
         raise ValueError(
             f"data.factory {data.factory!r} returned {type(dataset).__name__}, not a map-style "
             "torch.utils.data.Dataset (with __len__ and __getitem__); return one of (inputs, target) items"

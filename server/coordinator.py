@@ -347,7 +347,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         return live
 
     async def _run_step(self, participants: list[SiteLink], attempt: int) -> StepResult | None:
-        """All phases of one step; None when it was aborted (nothing applied anywhere)."""
+        """All phases of one step; None when it was aborted (the server applied nothing)."""
         step, min_sites = self.step, self.config.federation.min_sites
         reset = self._strategy_state_reset(participants)
         begin = cpb.ServerMessage(step_begin=cpb.StepBegin(

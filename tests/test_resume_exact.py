@@ -53,18 +53,6 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
 
 
-def uninterrupted(tmp: Path, strategy: str) -> dict[str, torch.Tensor]:
-    """The reference: the same run with nobody killed (coordinator and sites in threads)."""
-    server_cfg, _ = configs(tmp, strategy)
-    server = ServerThread(server_cfg).start()
-    _, site_cfgs = configs(tmp, strategy, port=int(server.endpoint.rsplit(":", 1)[1]))
-    sites = [SiteThread(c.model_copy(update={"state_dir": None})).start() for c in site_cfgs]
-    server.join()
-    for site in sites:
-        site.join()
-    return final_model(server_cfg.run_dir)
-
-
 def records(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     return list(read_metrics(path)) if path.exists() else []
@@ -126,8 +114,11 @@ class Federation:
 def test_killed_coordinator_and_killed_site_resume_bit_identically(tmp_path, strategy):
     """One run per strategy: the coordinator is SIGKILLed and restarted from its checkpoint
     (it replays the steps after it), later a site process is SIGKILLed and started again."""
-    reference = uninterrupted(tmp_path / "reference", strategy)
-    (tmp_path / "killed").mkdir()
+    for name in ("reference", "killed"):
+        (tmp_path / name).mkdir()
+    # The reference runs alongside, in the same shape (a site thread, a site and a server
+    # process): processes and threads of one machine may round differently.
+    uninterrupted = Federation(tmp_path / "reference", strategy)
     federation = Federation(tmp_path / "killed", strategy)
     try:
         federation.kill_after(SERVER_KILL_AFTER, federation.server)
@@ -135,8 +126,10 @@ def test_killed_coordinator_and_killed_site_resume_bit_identically(tmp_path, str
         federation.kill_after(SITE_KILL_AFTER, federation.process_site)
         federation.process_site = federation.start("site", federation.site_toml)
         resumed = federation.finish()
+        reference = uninterrupted.finish()
     finally:
         federation.stop()
+        uninterrupted.stop()
     server_log = federation.log("server")
     assert "resuming run" in server_log and "site-1 joined" in server_log.rsplit("resuming run", 1)[1]
     assert "strategy state reset" not in server_log
