@@ -76,5 +76,6 @@ class SiteConfig(StrictModel):
     state_dir: Path | None = Field(
         None,
         description="where the site keeps its strategy state between steps, so a restarted site rejoins "
-        "bit-identically ('dadfl site' defaults to <site_id>-state next to the config file; unset: memory only)",
+        "bit-identically ('dadfl site' defaults to <site_id>-state next to the config file; unset: memory only). "
+        "The states derive from the site's gradients: keep the folder as private as the data",
     )

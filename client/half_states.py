@@ -6,9 +6,10 @@ coordinator that restarted from an older checkpoint, an aborted attempt, a resta
 process), the site restores the saved state at t. Step 0 is always the fresh half.
 
 States live in memory and, when the site config has a ``state_dir``, in
-``<state_dir>/run-<run id>/half-<step>.pt`` (written to a temporary name, then renamed:
+``<state_dir>/<site id>/run-<run id>/half-<step>.pt`` (written to a temporary name, then renamed:
 a kill leaves the old file or the new one). Only the states the server may still ask for
 are kept: the one at the server's checkpoint step, the current one and the next.
+They are derived from the site's gradients: keep ``state_dir`` as private as the data.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ State = dict[str, torch.Tensor]
 class HalfStates:
     """Saved half states of one run (see the module doc)."""
 
-    def __init__(self, state_dir: Path | None, run_id: str, device: torch.device):
+    def __init__(self, state_dir: Path | None, site_id: str, run_id: str, device: torch.device):
         self.device = device
         self.memory: dict[int, State] = {}
         self.folder: Path | None = None
@@ -42,9 +43,10 @@ class HalfStates:
         if not RUN_ID.match(run_id):
             log.warning("run id from the server is not a plain name: strategy state is kept in memory only")
             return
-        self.folder = state_dir / f"{RUN_FOLDER}{run_id}"
+        site_folder = state_dir / site_id  # site ids are plain names (SiteConfig.site_id)
+        self.folder = site_folder / f"{RUN_FOLDER}{run_id}"
         self.folder.mkdir(parents=True, exist_ok=True)
-        for other in state_dir.glob(f"{RUN_FOLDER}*"):
+        for other in site_folder.glob(f"{RUN_FOLDER}*"):
             if other != self.folder and other.is_dir():
                 shutil.rmtree(other, ignore_errors=True)  # a site takes part in one run at a time
 

@@ -95,14 +95,20 @@ class Run:
         elif self.half_step != step:
             fresh = replica.strategy.site(replica.layout, replica.model)
             if step:
-                state = self.states.load(step)
-                if state is None:
-                    self.states.forget(step)
-                    raise StateLost(f"the saved strategy state at step {step} is gone; rejoining so the server resets it")
-                fresh.load_state_dict(state)
+                self._restore(fresh, step)
             replica.half = fresh
         self.half_step = step
         self.states.keep_only({begin.checkpoint_step, step})
+
+    def _restore(self, half, step: int) -> None:
+        state = self.states.load(step)
+        try:
+            if state is None:
+                raise ValueError("it is gone")
+            half.load_state_dict(state)
+        except (KeyError, ValueError) as exc:
+            self.states.forget(step)
+            raise StateLost(f"the saved strategy state at step {step} cannot be restored ({exc}); rejoining so the server resets it") from None
 
 
 class Session:
@@ -236,7 +242,7 @@ class Site:
         optimizer = OptimizerConfig.model_validate(json.loads(config.optimizer))
         replica = Replica(workload, strategy, optimizer, resolve_device(self.config.device))
         batches = load_site_batches(self.config, workload, config.batch_size, replica.device)
-        states = HalfStates(self.config.state_dir, config.run_id, replica.device)
+        states = HalfStates(self.config.state_dir, self.config.site_id, config.run_id, replica.device)
         self.run = Run(config, replica, batches, codec_id(config.codec), states)
         log.info("site %s: run %s, %s with %s, %d steps", self.config.site_id, config.run_id, config.workload, config.strategy, config.steps)
 

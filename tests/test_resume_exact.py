@@ -133,6 +133,8 @@ def test_killed_coordinator_and_killed_site_resume_bit_identically(tmp_path, str
     server_log = federation.log("server")
     assert "resuming run" in server_log and "site-1 joined" in server_log.rsplit("resuming run", 1)[1]
     assert "strategy state reset" not in server_log
+    saved = sorted(p.name for p in (tmp_path / "killed" / "site-1-state").rglob("half-*.pt"))
+    assert 1 <= len(saved) <= 3, f"a site keeps only the states the server may ask for, not {saved}"
     diff = max_abs_diff(reference, resumed)
     assert all(torch.equal(reference[k], resumed[k]) for k in reference), f"{strategy}: max abs diff {diff}"
 

@@ -117,3 +117,24 @@ def test_state_of_another_configuration_is_refused():
         rank2.site(layout, model).load_state_dict(sites[0].state_dict())
     with pytest.raises(ValueError, match="unknown keys"):
         make_strategy("rankdad").site(layout, model).load_state_dict(sites[0].state_dict())
+
+
+def test_site_states_on_disk_are_per_site_and_run_bounded_and_survive_a_new_process(tmp_path):
+    from dadfl.client.half_states import HalfStates
+
+    cpu = torch.device("cpu")
+    states = HalfStates(tmp_path, "site-a", "run1", cpu)
+    for step in range(1, 6):
+        states.save(step, {"errors/w": torch.full((2,), float(step))})
+    states.keep_only({2, 5})
+    assert states.steps() == {0, 2, 5}
+    again = HalfStates(tmp_path, "site-a", "run1", cpu)  # a restarted site process
+    assert again.steps() == {0, 2, 5} and torch.equal(again.load(5)["errors/w"], torch.full((2,), 5.0))
+    (tmp_path / "site-a" / "run-run1" / "half-2.pt").write_bytes(b"torn")
+    assert again.load(2) is None and again.load(3) is None
+    HalfStates(tmp_path, "site-a", "run2", cpu)  # a new run: the old run's states go
+    assert not (tmp_path / "site-a" / "run-run1").exists()
+    assert HalfStates(tmp_path, "site-b", "run1", cpu).steps() == {0}, "another site's states are not this site's"
+    odd = HalfStates(tmp_path, "site-a", "../escape", cpu)  # not a plain name: memory only
+    odd.save(1, {})
+    assert odd.folder is None and not (tmp_path.parent / "escape").exists()
