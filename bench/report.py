@@ -22,7 +22,6 @@ from dadfl.report import human_bytes  # noqa: E402
 from .analysis import TARGET_TOLERANCE  # noqa: E402
 
 TARGET_RATIO = 100
-RATIO_WORKLOADS = ("mlp", "transformer")  # target (a) is about these
 DOMINANCE_NEEDED = 3
 
 
@@ -50,11 +49,11 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def style(stats: dict) -> dict[str, Any]:
-    """One colour family per strategy family; dashed for rank-dAD with re-reduction."""
+    """One colour family per strategy family; dashed for rank-dAD without error feedback."""
     name, rank = stats["name"], stats["options"].get("rank", 1)
     shade = {1: 0.45, 2: 0.6, 4: 0.8, 8: 1.0}.get(rank, 1.0)
     if name == "rankdad":
-        return {"color": plt.cm.Blues(shade), "linestyle": "--" if stats["options"].get("reduce_on_server") else "-"}
+        return {"color": plt.cm.Blues(shade), "linestyle": "--" if stats["options"].get("error_feedback") is False else "-"}
     if name == "powersgd":
         return {"color": plt.cm.Oranges(shade), "linestyle": "-."}
     fixed = {"dsgd": ("black", "-"), "dad": ("tab:green", ":"), "auto": ("tab:olive", ":"), "edad": ("tab:purple", ":")}
@@ -87,11 +86,13 @@ def plot_metric_vs_bytes(results: dict, setting: str, path: Path) -> bool:
 
 
 def plot_ranks(group: dict, path: Path) -> str | None:
-    """Effective rank per layer over steps of the highest-rank rank-dAD without re-reduction."""
+    """Effective rank per layer over steps of the highest-rank rank-dAD, preferring no
+    re-reduction (up to sites × r components) and error feedback."""
     candidates = [s for s in group["strategies"].values() if s["name"] == "rankdad" and s["ranks"]]
     if not candidates:
         return None
-    stats = max(candidates, key=lambda s: (not s["options"].get("reduce_on_server"), s["options"]["rank"]))
+    stats = max(candidates, key=lambda s: (s["options"].get("reduce_on_server") is False,
+                                           s["options"].get("error_feedback") is not False, s["options"]["rank"]))
     figure, axis = plt.subplots(figsize=(7, 4))
     for layer, series in stats["ranks"].items():
         axis.plot(range(1, len(series) + 1), series, label=layer, linewidth=1)
@@ -125,7 +126,12 @@ STRATEGY_HEADER = [
 
 
 def best_of(group: dict, name: str) -> dict | None:
-    ranked = [s for s in group["strategies"].values() if s["name"] == name and s["bytes_ratio_vs_dsgd"]]
+    """The configuration of ``name`` with the largest bytes ratio (rank-dAD: with its
+    default error feedback)."""
+    ranked = [
+        s for s in group["strategies"].values()
+        if s["name"] == name and s["bytes_ratio_vs_dsgd"] and s["options"].get("error_feedback") is not False
+    ]
     return max(ranked, key=lambda s: s["bytes_ratio_vs_dsgd"]) if ranked else None
 
 
@@ -139,7 +145,7 @@ def target_a_rows(results: dict, settings: list[dict]) -> tuple[list[list[str]],
         best, power = best_of(group, "rankdad"), best_of(group, "powersgd")
         cost = results["costs"][setting["key"]]
         value = best["bytes_ratio_vs_dsgd"] if best else None
-        applies = any(word in setting["key"] for word in RATIO_WORKLOADS)
+        applies = setting.get("ratio_target", False)
         ok = value is not None and value >= TARGET_RATIO
         if applies:
             met[setting["key"]] = ok
