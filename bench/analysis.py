@@ -207,14 +207,20 @@ def family_curves(strategies: dict[str, StrategyStats], name: str, **options) ->
 
 
 def group_dominance(strategies: dict[str, StrategyStats]) -> dict:
-    """rank-dAD (all its configurations) against PowerSGD (all ranks), and rank by rank."""
-    result = {"family": dominance(family_curves(strategies, "rankdad"), family_curves(strategies, "powersgd"))}
+    """rank-dAD with error feedback (all its ranks) against PowerSGD (all ranks), and rank
+    by rank (rank-dAD with and without error feedback)."""
+    result = {
+        "family": dominance(
+            family_curves(strategies, "rankdad", error_feedback=True), family_curves(strategies, "powersgd")
+        )
+    }
     ranks = sorted({s.options["rank"] for s in strategies.values() if s.name == "powersgd"})
     for rank in ranks:
-        for reduce in (False, True):
-            ours = family_curves(strategies, "rankdad", rank=rank, reduce_on_server=reduce)
-            theirs = family_curves(strategies, "powersgd", rank=rank)
-            result[f"r={rank}{' reduced' if reduce else ''}"] = dominance(ours, theirs)
+        for error_feedback in (True, False):
+            ours = family_curves(strategies, "rankdad", rank=rank, error_feedback=error_feedback)
+            if ours:
+                theirs = family_curves(strategies, "powersgd", rank=rank)
+                result[f"r={rank}{'' if error_feedback else ' no EF'}"] = dominance(ours, theirs)
     return result
 
 
@@ -227,7 +233,7 @@ def matrix_order(spec: dict) -> tuple:
     """Tables list strategies as the matrix does: exact ones, rank-dAD, PowerSGD; by rank."""
     name, options = spec["name"], spec["options"]
     known = STRATEGY_ORDER.index(name) if name in STRATEGY_ORDER else len(STRATEGY_ORDER)
-    return known, options.get("rank", 0), bool(options.get("reduce_on_server"))
+    return known, options.get("rank", 0), options.get("error_feedback") is False
 
 
 

@@ -6,14 +6,19 @@ tied weights, LayerNorm, raw ``nn.Parameter``s — which no factor capture cover
 which travels dense. Biases of captured layers also travel dense under the low-rank
 strategies (a rank-r product carries no Σ_rows Δ).
 
-For a rank-r strategy the floats per site and direction per step are therefore at least
+Uncovered *matrices* (learned positions, weights tied across modules, raw
+``nn.Parameter`` matrices; m × k viewed as shape[0] × rest) are compressed from their
+dense gradient at rank r when that pays (rank-dAD with ``raw_input`` allowing it, and
+PowerSGD); uncovered vectors (norms) stay dense. For a rank-r strategy the floats per
+site and direction per step are therefore at least
 
-    low_rank(r) = uncovered + Σ_layers bias + Σ_layers G·r·(k + m)
+    low_rank(r) = uncovered vectors + Σ_layers bias + Σ_layers G·r·(k + m)
+                  + Σ_uncovered matrices min(r·(m + k), m·k)
 
 against dSGD's ``dense = Σ all parameters``, so no rank-r method can beat
-``dense / low_rank(r)`` per step; with r → 0 the bound is ``dense / (uncovered +
-biases)``. ``Breakdown`` holds these numbers for one model; the report prints them
-beside the measured ratios.
+``dense / low_rank(r)`` per step; with r → 0 the bound is ``dense / (uncovered
+vectors + biases)``. ``Breakdown`` holds these numbers for one model; the report
+prints them beside the measured ratios.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ class Breakdown:
     float_buffers: int  # BatchNorm statistics and the like: dense in every strategy
     uncovered: dict[str, int]  # parameters no capture covers, by name
     layers: tuple[LayerCost, ...]
+    uncovered_matrices: dict[str, tuple[int, int]]  # the uncovered ones with 2+ dimensions, as (m, k)
 
     @property
     def dense(self) -> int:
@@ -63,16 +69,22 @@ class Breakdown:
 
     @property
     def always_dense(self) -> int:
-        """What travels dense under any low-rank strategy: uncovered, biases, buffers."""
-        return sum(self.uncovered.values()) + sum(layer.bias for layer in self.layers) + self.float_buffers
+        """What travels dense under any low-rank strategy: uncovered vectors, biases, buffers."""
+        vectors = sum(count for name, count in self.uncovered.items() if name not in self.uncovered_matrices)
+        return vectors + sum(layer.bias for layer in self.layers) + self.float_buffers
 
     def low_rank(self, rank: int, raw_input_dense: bool = False) -> int:
         """Floats per site per direction of a rank-``rank`` factorisation of every captured
-        weight (the raw-input layer as a dense gradient when ``raw_input_dense``)."""
+        weight and uncovered matrix (the raw-input layer, and the uncovered matrices, dense
+        when ``raw_input_dense``: rank-dAD's default privacy policy)."""
         weights = sum(
             layer.weight if (raw_input_dense and layer.raw_input) else layer.factors(rank) for layer in self.layers
         )
-        return self.always_dense + weights
+        matrices = sum(
+            m * k if raw_input_dense else min(min(rank, m, k) * (m + k), m * k)
+            for m, k in self.uncovered_matrices.values()
+        )
+        return self.always_dense + weights + matrices
 
     def bound(self, rank: int, raw_input_dense: bool = False) -> float:
         """dSGD bytes over rank-r bytes per step: no rank-r method compresses more."""
@@ -94,8 +106,11 @@ def breakdown(workload: str, options: dict) -> Breakdown:
             bias = params[layer.bias].numel()
         layers.append(LayerCost(layer.module, layer.groups, layer.in_per_group, layer.out_per_group, bias, layer.raw_input))
     uncovered = {name: params[name].numel() for name in replica_layout.params if name not in covered}
+    matrices = {
+        name: (params[name].shape[0], params[name][0].numel()) for name in uncovered if params[name].dim() > 1
+    }
     buffers = sum(b.numel() for b in model.buffers() if b.is_floating_point())
-    return Breakdown(sum(p.numel() for p in params.values()), buffers, uncovered, tuple(layers))
+    return Breakdown(sum(p.numel() for p in params.values()), buffers, uncovered, tuple(layers), matrices)
 
 
 def round_trips(workload: str, options: dict, spec: StrategySpec, sites: int = 2, batch: int = 4) -> int:

@@ -56,6 +56,8 @@ class WorkloadSetting:
     feed_forward: bool = False  # an nn.Sequential MLP: edAD applies
     purpose: str = "matrix"  # "matrix" (the grid) or "target" (sized for the bytes target)
     note: str = ""
+    ratio_target: bool = False  # judged on the ≥100× bytes target
+    ablation: bool = True  # also run rank-dAD without error feedback
 
     def seeds_for(self, sites: int) -> tuple[int, ...]:
         if sites == HEADLINE_SITES or self.sweep_seeds is None:
@@ -85,21 +87,23 @@ def slug(text: str) -> str:
     return "".join(c if c.isalnum() or c in "-_=." else "_" for c in text)
 
 
-def strategy_specs(feed_forward: bool, ranks: tuple[int, ...] = RANKS, seed: int = 0) -> list[StrategySpec]:
-    """dsgd, dad, auto, edad (feed-forward only), rank-dAD with and without server
-    re-reduction, PowerSGD — every rank in ``ranks``."""
-    specs = [StrategySpec(name="dsgd"), StrategySpec(name="dad"), StrategySpec(name="auto")]
-    if feed_forward:
-        specs.append(StrategySpec(name="edad"))
+def strategy_specs(
+    feed_forward: bool, ranks: tuple[int, ...] = RANKS, seed: int = 0, exact: bool = True, ablation: bool = True
+) -> list[StrategySpec]:
+    """dsgd; dad, auto, edad (feed-forward only) when ``exact``; rank-dAD with its defaults
+    (error feedback, server re-reduction) and, with ``ablation``, without error feedback;
+    PowerSGD — every rank in ``ranks``."""
+    specs = [StrategySpec(name="dsgd")]
+    if exact:
+        specs += [StrategySpec(name="dad"), StrategySpec(name="auto")]
+        if feed_forward:
+            specs.append(StrategySpec(name="edad"))
     for rank in ranks:
-        for reduce in (False, True):
-            specs.append(
-                StrategySpec(
-                    name="rankdad",
-                    options={"rank": rank, "reduce_on_server": reduce, "raw_input": RANKDAD_RAW_INPUT, "seed": seed},
-                    label=f"rankdad r={rank}" + (" reduced" if reduce else ""),
-                )
-            )
+        for error_feedback in (True, False) if ablation else (True,):
+            options = {"rank": rank, "error_feedback": error_feedback, "reduce_on_server": True,
+                       "raw_input": RANKDAD_RAW_INPUT, "seed": seed}
+            label = f"rankdad r={rank}" + ("" if error_feedback else " no EF")
+            specs.append(StrategySpec(name="rankdad", options=options, label=label))
     for rank in ranks:
         specs.append(
             StrategySpec(
@@ -111,16 +115,21 @@ def strategy_specs(feed_forward: bool, ranks: tuple[int, ...] = RANKS, seed: int
     return specs
 
 
-def cells(settings: list[WorkloadSetting], ranks: tuple[int, ...] = RANKS) -> list[Cell]:
-    """Every cell, seed-major: a run cut short still has complete early seeds."""
+def cells(settings: list[WorkloadSetting], ranks: tuple[int, ...] = RANKS, exact: bool = True) -> list[Cell]:
+    """Every cell, seed-major: a run cut short still has complete early seeds; the
+    no-error-feedback ablation last."""
     found = []
     for setting in settings:
         for sites in setting.sites:
             for partition in setting.partitions:
                 for seed in setting.seeds_for(sites):
-                    for spec in strategy_specs(setting.feed_forward, ranks, seed):
+                    for spec in strategy_specs(setting.feed_forward, ranks, seed, exact, setting.ablation):
                         found.append(Cell(setting, sites, partition, seed, spec))
-    return sorted(found, key=lambda c: (c.seed, c.sites != HEADLINE_SITES, c.partition != "iid"))
+    return sorted(
+        found,
+        key=lambda c: (c.strategy.options.get("error_feedback") is False, c.seed, c.sites != HEADLINE_SITES,
+                       c.partition != "iid"),
+    )
 
 
 def _grid(**overrides) -> dict[str, Any]:
@@ -133,6 +142,8 @@ ADAM_GRU = {"name": "adam", "lr": 0.01}
 ADAM_TRANSFORMER = {"name": "adam", "lr": 0.003}
 
 TEXT = {"seq_len": 16}
+# 3.5M parameters: wide enough that the compressible matrices dominate (bound r=1 ≈ 140×).
+TRANSFORMER_3M = {"seq_len": 16, "d_model": 384, "layers": 2}
 
 FULL: list[WorkloadSetting] = [
     WorkloadSetting("digits-mlp", "digits-mlp", {"hidden": 256}, SGD, 150, 10, 32, feed_forward=True, **_grid()),
@@ -144,8 +155,31 @@ FULL: list[WorkloadSetting] = [
     ),
     WorkloadSetting(
         "digits-mlp-wide", "digits-mlp", {"hidden": 1024}, SGD, 200, 10, 32, feed_forward=True, purpose="target",
-        note="1.1M parameters, sized so the compressible matrices dominate", **_grid(sites=(4,), partitions=("iid",)),
+        note="1.1M parameters, sized so the compressible matrices dominate", ratio_target=True,
+        **_grid(sites=(4,), partitions=("iid",)),
     ),
+    WorkloadSetting(
+        "char-transformer-3m", "bench.workloads:char_transformer", TRANSFORMER_3M, ADAM_TRANSFORMER, 100, 10, 32,
+        purpose="target", note="3.5M parameters, sized so the compressible matrices dominate", ratio_target=True,
+        **_grid(sites=(4,), partitions=("iid",), seeds=(0, 1)),
+    ),
+]
+
+# ``--preset rankdad-ef``: the evidence for rank-dAD with error feedback against PowerSGD —
+# bytes to dSGD's target and envelope dominance on four workloads, 4 sites, IID, ranks
+# 1, 2, 4; dSGD, rank-dAD and PowerSGD only; rank-dAD without error feedback on the two
+# cheapest. Two seeds; one for the transformer (~7 s per step on a shared 2-core CPU).
+# Every setting is judged for dominance.
+EF_RANKS = (1, 2, 4)
+_EF_GRID = {"sites": (4,), "partitions": ("iid",), "purpose": "matrix"}
+RANKDAD_EF: list[WorkloadSetting] = [
+    WorkloadSetting("digits-mlp", "digits-mlp", {"hidden": 256}, SGD, 150, 10, 32, feed_forward=True, seeds=(0, 1),
+                    **_EF_GRID),
+    WorkloadSetting("digits-mlp-wide", "digits-mlp", {"hidden": 1024}, SGD, 200, 10, 32, feed_forward=True,
+                    ratio_target=True, ablation=False, note="1.1M parameters", seeds=(0, 1), **_EF_GRID),
+    WorkloadSetting("char-gru", "bench.workloads:char_gru", TEXT, ADAM_GRU, 100, 10, 32, seeds=(0, 1), **_EF_GRID),
+    WorkloadSetting("char-transformer-3m", "bench.workloads:char_transformer", TRANSFORMER_3M, ADAM_TRANSFORMER, 100,
+                    10, 32, ratio_target=True, ablation=False, note="3.5M parameters", seeds=(0,), **_EF_GRID),
 ]
 
 SMOKE: list[WorkloadSetting] = [

@@ -3,6 +3,9 @@
     python -m bench.run                    # reduced smoke matrix, < 2 min on 2 cores
     python -m bench.run --full --jobs 2    # the whole matrix, real links, DDP peer;
                                            # publishes docs/benchmarks.md
+    python -m bench.run --preset rankdad-ef --jobs 2
+                                           # rank-dAD with error feedback against PowerSGD
+                                           # (~1 h on 2 cores); publishes docs/rankdad-ef/
 
 Finished cells are kept under ``--out`` and skipped when the command runs again, so an
 interrupted suite resumes; ``--report-only`` re-analyses what is there.
@@ -24,12 +27,19 @@ from .report import write_report
 SMOKE_OUT = Path("bench/results/smoke")
 FULL_OUT = Path("bench/results/full")
 DOCS = Path("docs")
+# preset -> (settings, ranks, exact strategies too, results folder, published docs folder or None)
+PRESETS = {
+    "smoke": (matrix.SMOKE, matrix.SMOKE_RANKS, True, SMOKE_OUT, None),
+    "full": (matrix.FULL, matrix.RANKS, True, FULL_OUT, DOCS),
+    "rankdad-ef": (matrix.RANKDAD_EF, matrix.EF_RANKS, False, Path("bench/results/rankdad-ef"), DOCS / "rankdad-ef"),
+}
 LINKS, PEERS = "links.json", "peers.json"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n")[0])
-    parser.add_argument("--full", action="store_true", help="the whole matrix (default: the reduced smoke matrix)")
+    parser.add_argument("--full", action="store_true", help="the whole matrix (same as --preset full)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="which matrix (default: smoke, or full with --full)")
     parser.add_argument("--out", type=Path, help=f"results folder (default {SMOKE_OUT}, or {FULL_OUT} with --full)")
     parser.add_argument("--docs", type=Path, help=f"where benchmarks.md and img/ go (default: {DOCS} with --full, else --out)")
     parser.add_argument("--workloads", help="comma-separated setting keys to run (default: all of the preset)")
@@ -44,9 +54,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    preset, ranks = (matrix.FULL, matrix.RANKS) if args.full else (matrix.SMOKE, matrix.SMOKE_RANKS)
-    out = args.out or (FULL_OUT if args.full else SMOKE_OUT)
-    docs = args.docs or (DOCS if args.full else out)
+    name = args.preset or ("full" if args.full else "smoke")
+    preset, ranks, exact, default_out, published = PRESETS[name]
+    out = args.out or default_out
+    docs = args.docs or published or out
     try:
         keys = args.workloads.split(",") if args.workloads else None
         seeds = tuple(int(s) for s in args.seeds.split(",")) if args.seeds else None
@@ -54,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    parts = set(args.parts.split(",")) if args.parts else ({"matrix", "links", "peers"} if args.full else {"matrix"})
+    parts = set(args.parts.split(",")) if args.parts else ({"matrix", "links", "peers"} if name == "full" else {"matrix"})
     unknown = parts - {"matrix", "links", "peers"}
     if unknown:
         print(f"error: unknown part(s) {', '.join(sorted(unknown))}; choose from matrix, links, peers", file=sys.stderr)
@@ -63,14 +74,14 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     if not args.report_only:
         if "matrix" in parts:
-            run_cells(matrix.cells(settings, ranks), out, args.jobs)
+            run_cells(matrix.cells(settings, ranks, exact), out, args.jobs)
         if "links" in parts:
             (out / LINKS).write_text(json.dumps(links.measure(), indent=1))
         if "peers" in parts:
             (out / PEERS).write_text(json.dumps(peers.compare(), indent=1))
-    results = analyse(out, settings, size_sweep=args.full)
+    results = analyse(out, settings, size_sweep=name == "full")
     json_path, csv_path = write_results(results, out)
-    command = "python -m bench.run" + (" --full --jobs 2" if args.full else "")
+    command = "python -m bench.run" + {"smoke": "", "full": " --full --jobs 2"}.get(name, f" --preset {name} --jobs 2")
     minutes = None if args.report_only else (time.perf_counter() - started) / 60
     report = write_report(results, docs, command, minutes, links=load(out / LINKS), peers=load(out / PEERS))
     print(f"results: {json_path}, {csv_path}; report: {report}")

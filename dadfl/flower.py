@@ -34,7 +34,7 @@ differ from the server's answers ``need_state`` (or ``lost`` in the middle of a 
 The server then restarts the step: every node gets the server's full state (weights and
 optimizer state) and rebuilds its site half, and the server rebuilds its server half, so
 all participants describe the same federation. Exactness is unaffected; strategy state
-(PowerSGD error memory and warm start, rank-dAD warm start) restarts from scratch, as in
+(PowerSGD error memory and warm start, rank-dAD error memories and warm start) restarts from scratch, as in
 the gRPC runtime. Nodes that fail or do not answer stop the run with an error: this
 integration has no dropout tolerance (the gRPC runtime, ``dadfl server``, has).
 

@@ -31,6 +31,15 @@ D (G, n, m) -> P (G, m, r'), Q (G, k, r'), S (G, r').
 Σ_s P_s Q_sᵀ = Dᵀ A with D = [P_1 … P_S]ᵀ and A = [Q_1 … Q_S]ᵀ (S·r rows), so the
 server re-reduces the sites' factors to rank r with the same call (``reduce_sum``).
 
+**Scale and memory (error feedback).** ``scale`` and ``memory`` E (G, m, k) change the
+matrix to M = scale·Dᵀ A + E; the passes then apply
+
+    M Q  = scale·Dᵀ (A Q) + E Q        Mᵀ U = scale·Aᵀ (D U) + Eᵀ U
+
+so the power step never forms Dᵀ A (E is dense already; it costs 2·m·k·r per pass).
+``dense_power_iteration`` runs the same passes on a matrix that is dense anyway (the
+gradient of a parameter no factor capture covers).
+
 **Randomness.** The random start comes from a seeded ``torch.Generator`` on the
 tensors' device (``make_generator``), so runs are reproducible on CPU and CUDA; a
 warm start (the previous step's Q) replaces it and usually needs fewer passes.
@@ -78,44 +87,106 @@ def power_iteration(
     warm_start: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     tol: float = 0.0,
+    scale: float = 1.0,
+    memory: torch.Tensor | None = None,
 ) -> LowRank:
-    """Rank-``rank`` factors of Dᵀ A per group from A (G, n, k) and D (G, n, m).
+    """Rank-``rank`` factors of M = scale·Dᵀ A + memory per group, from A (G, n, k) and D (G, n, m).
 
     ``warm_start`` (G, k, c): the Q of a previous call; missing columns (c < r') are
     drawn at random, extra ones ignored. ``generator``: for the random start, on the
     tensors' device (default: seed 0). ``tol``: relative threshold below which
-    components are dropped (0 keeps all r' = min(rank, m, k)). 2-D A (n, k) and D (n, m)
-    are one group; the results keep the group axis. Cost: ``iterations`` ×
-    2·G·n·(k + m)·r' flops plus QR/SVD of (m × r'), (k × r') and (r' × r') blocks.
+    components are dropped (0 keeps all r' = min(rank, m, k)). ``memory`` (G, m, k):
+    an error-feedback memory added to the structured product (None: none). 2-D A (n, k)
+    and D (n, m) are one group; the results keep the group axis. Cost: ``iterations`` ×
+    2·G·(n·(k + m) + m·k if memory)·r' flops plus QR/SVD of (m × r'), (k × r') and
+    (r' × r') blocks.
     """
     if A.dim() == 2 and D.dim() == 2:  # one group
         A, D = A.unsqueeze(0), D.unsqueeze(0)
         if warm_start is not None and warm_start.dim() == 2:
             warm_start = warm_start.unsqueeze(0)
+        if memory is not None and memory.dim() == 2:
+            memory = memory.unsqueeze(0)
     if A.dim() != 3 or D.dim() != 3 or A.shape[:2] != D.shape[:2]:
         raise ValueError(
             f"power_iteration needs A (G, n, k) and D (G, n, m) with the same G and n; "
             f"got A {tuple(A.shape)} and D {tuple(D.shape)}"
         )
+    groups, _, k = A.shape
+    m = D.shape[2]
+    if memory is not None and tuple(memory.shape) != (groups, m, k):
+        raise ValueError(f"power_iteration: memory must be ({groups}, {m}, {k}); got {tuple(memory.shape)}")
+    dtype = A.dtype
+    if dtype in LOW_PRECISION:  # QR and SVD need single precision at least
+        A, D = A.float(), D.float()
+        memory = memory.float() if memory is not None else None
+    Dt, At = D.transpose(1, 2), A.transpose(1, 2)
+
+    def times(Q: torch.Tensor) -> torch.Tensor:  # M Q
+        out = torch.bmm(Dt, torch.bmm(A, Q))
+        if scale != 1.0:
+            out = out * scale
+        return out if memory is None else out + torch.bmm(memory, Q)
+
+    def transposed_times(U: torch.Tensor) -> torch.Tensor:  # Mᵀ U
+        out = torch.bmm(At, torch.bmm(D, U))
+        if scale != 1.0:
+            out = out * scale
+        return out if memory is None else out + torch.bmm(memory.transpose(1, 2), U)
+
+    return _subspace_iteration(
+        times, transposed_times, A, groups, m, k, rank, iterations, warm_start, generator, tol, dtype
+    )
+
+
+def dense_power_iteration(
+    M: torch.Tensor,
+    rank: int,
+    *,
+    iterations: int = 2,
+    warm_start: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    tol: float = 0.0,
+) -> LowRank:
+    """Rank-``rank`` factors of a dense M (G, m, k) (or (m, k)) by the same passes.
+
+    For matrices that are dense anyway (gradients no factor capture covers).
+    Cost: ``iterations`` × 4·G·m·k·r' flops plus the same small QR/SVDs.
+    """
+    if M.dim() == 2:
+        M = M.unsqueeze(0)
+        if warm_start is not None and warm_start.dim() == 2:
+            warm_start = warm_start.unsqueeze(0)
+    if M.dim() != 3:
+        raise ValueError(f"dense_power_iteration needs M (G, m, k); got {tuple(M.shape)}")
+    dtype = M.dtype
+    if dtype in LOW_PRECISION:
+        M = M.float()
+    groups, m, k = M.shape
+    Mt = M.transpose(1, 2)
+    return _subspace_iteration(
+        lambda Q: torch.bmm(M, Q), lambda U: torch.bmm(Mt, U), M, groups, m, k, rank, iterations, warm_start,
+        generator, tol, dtype,
+    )
+
+
+def _subspace_iteration(
+    times, transposed_times, like: torch.Tensor, groups: int, m: int, k: int, rank: int, iterations: int,
+    warm_start: torch.Tensor | None, generator: torch.Generator | None, tol: float, dtype: torch.dtype,
+) -> LowRank:
+    """The passes and the Rayleigh–Ritz step, given M Q (``times``) and Mᵀ U."""
     if rank < 1:
         raise ValueError(f"power_iteration: rank must be at least 1, got {rank}")
     if iterations < 1:
         raise ValueError(f"power_iteration: iterations must be at least 1, got {iterations}")
     if tol < 0:
         raise ValueError(f"power_iteration: tol must be >= 0, got {tol}")
-    dtype = A.dtype
-    if dtype in LOW_PRECISION:  # QR and SVD need single precision at least
-        A, D = A.float(), D.float()
-    groups, _, k = A.shape
-    m = D.shape[2]
     r = min(rank, m, k)
-
-    Q = _start(A, groups, k, r, warm_start, generator)
-    Dt, At = D.transpose(1, 2), A.transpose(1, 2)
+    Q = _start(like, groups, k, r, warm_start, generator)
     for _ in range(iterations):
-        U, _ = torch.linalg.qr(torch.bmm(Dt, torch.bmm(A, Q)))  # (G, m, r)
-        Q, R = torch.linalg.qr(torch.bmm(At, torch.bmm(D, U)))  # (G, k, r), (G, r, r)
-    # Rayleigh–Ritz: Uᵀ G = Rᵀ Qᵀ; the SVD of the small Rᵀ orders the components.
+        U, _ = torch.linalg.qr(times(Q))  # (G, m, r)
+        Q, R = torch.linalg.qr(transposed_times(U))  # (G, k, r), (G, r, r)
+    # Rayleigh–Ritz: Uᵀ M = Rᵀ Qᵀ; the SVD of the small Rᵀ orders the components.
     Ur, S, Vh = torch.linalg.svd(R.transpose(1, 2))
     P = torch.bmm(U, Ur) * S.unsqueeze(1)
     Q = torch.bmm(Q, Vh.transpose(1, 2))
@@ -142,15 +213,20 @@ def reduce_sum(
     warm_start: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     tol: float = 0.0,
+    scale: float = 1.0,
+    memory: torch.Tensor | None = None,
 ) -> LowRank:
-    """Rank-``rank`` factors of Σ_s P_s Q_sᵀ (each (G, m, r_s), (G, k, r_s)).
+    """Rank-``rank`` factors of scale·Σ_s P_s Q_sᵀ + memory (each (G, m, r_s), (G, k, r_s)).
 
     The sum is Dᵀ A with D = [P_1 … P_S]ᵀ, A = [Q_1 … Q_S]ᵀ: the same structured
     power iteration, on S·r rows.
     """
     D = torch.cat(list(Ps), dim=2).transpose(1, 2)
     A = torch.cat(list(Qs), dim=2).transpose(1, 2)
-    return power_iteration(A, D, rank, iterations=iterations, warm_start=warm_start, generator=generator, tol=tol)
+    return power_iteration(
+        A, D, rank, iterations=iterations, warm_start=warm_start, generator=generator, tol=tol, scale=scale,
+        memory=memory,
+    )
 
 
 def factor_singular_values(P: torch.Tensor, Q: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from dadfl.simulation import SimulationConfig, StrategySpec, simulate
         StrategySpec(name="dsgd"),
         StrategySpec(name="dad"),
         StrategySpec(name="edad", options={"downlink": "factors"}),
-        StrategySpec(name="rankdad", options={"rank": 2, "reduce_on_server": True}),
+        StrategySpec(name="rankdad", options={"rank": 2, "raw_input": "low_rank"}),  # error feedback, re-reduction
         StrategySpec(name="powersgd", options={"rank": 2, "start_iter": 2}),
     ],
     ids=lambda spec: spec.name,

@@ -89,7 +89,7 @@ def bias_floats(layer):
 
 def test_bytes_match_formula_mlp_by_hand():
     """MLP 12-16-16-5, r = 4, first layer dense (raw input), three sites."""
-    layout, messages, traffic = run_exchange(make_strategy("rankdad", rank=4))
+    layout, messages, traffic = run_exchange(make_strategy("rankdad", rank=4, reduce_on_server=False))
     per_site = (16 * 12 + 16) + (4 * (16 + 16) + 16) + (4 * (16 + 5) + 5)
     assert traffic.up == [[FLOAT * per_site] * 3]
     down = (16 * 12 + 16) + (3 * 4 * (16 + 16) + 16) + (3 * 4 * (16 + 5) + 5)
@@ -119,7 +119,7 @@ def test_bytes_match_formula_cnn(rank, reduce_on_server):
 def test_tol_sends_only_the_components_a_site_has():
     """With tol, each site sends as many components as its gradient has (rank(Δ_sᵀA_s) ≤ n_s:
     one for the 1-sample site), fewer bytes, and the update stays exact."""
-    strategy = make_strategy("rankdad", rank=8, raw_input="low_rank", tol=1e-4)
+    strategy = make_strategy("rankdad", rank=8, raw_input="low_rank", tol=1e-4, reduce_on_server=False)
     model = build("mlp")
     batches = site_batches("mlp", sizes=SIZES)
     layout = Layout.from_model(model, batches[0][0])
@@ -144,7 +144,7 @@ def test_tol_sends_only_the_components_a_site_has():
 def test_reduce_on_server_sends_rank_r_down():
     rank = 3
     layout, messages, _ = run_exchange(make_strategy("rankdad", rank=rank, reduce_on_server=True), sizes=(6, 4, 5))
-    _, concatenated, _ = run_exchange(make_strategy("rankdad", rank=rank), sizes=(6, 4, 5))
+    _, concatenated, _ = run_exchange(make_strategy("rankdad", rank=rank, reduce_on_server=False), sizes=(6, 4, 5))
     for layer in layout.layers[1:]:
         assert messages[0].tensors[f"{layer.module}:P"].shape[-1] == rank
         assert messages[0].tensors[f"{layer.module}:Q"].shape[-1] == rank
@@ -190,7 +190,7 @@ def test_warm_start_stays_exact_at_full_rank(reduce_on_server):
     for step, (reference, update, sites, server) in enumerate(train(strategy, kind="cnn")):
         errors = relative_errors(update, reference)
         assert max(errors.values()) <= 1e-4, (step, errors)
-    assert all(site.memory for site in sites), "warm start keeps each layer's Q"
+    assert all(site.state.warm for site in sites), "warm start keeps each layer's Q"
 
 
 def test_warm_start_is_used_at_low_rank():
