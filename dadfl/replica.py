@@ -68,7 +68,14 @@ class Replica:
 
     def apply(self, messages: Sequence[Payload]) -> str:
         """Decode the step's messages, apply the update, return the weights fingerprint."""
-        update = self.strategy.decode(self.layout, [m.to(self.device) for m in messages], self.model)
+        return self.apply_update(self.decode(messages))
+
+    def decode(self, messages: Sequence[Payload]) -> dict[str, torch.Tensor]:
+        """The update the step's messages carry (the weights are not touched)."""
+        return self.strategy.decode(self.layout, [m.to(self.device) for m in messages], self.model)
+
+    def apply_update(self, update: dict[str, torch.Tensor]) -> str:
+        """Apply a decoded update; return the weights fingerprint."""
         apply_update(self.model, self.optimizer, update)
         return weights_fingerprint(self.model)
 

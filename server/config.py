@@ -46,6 +46,18 @@ class FederationConfig(StrictModel):
     phase_timeout_s: float = Field(60.0, gt=0, description="how long a phase waits for a site's payload")
     quorum_timeout_s: float = Field(600.0, gt=0, description="how long the server waits for a quorum before giving up")
     linger_s: float = Field(10.0, ge=0, description="after the last step, how long to wait for disconnected sites to learn the run finished")
+    max_influence_ratio: float = Field(
+        10.0, gt=1, description="with 3 or more sites in a step, a site whose update norm exceeds this multiple of the "
+        "median of the other sites' is dropped from the step"
+    )
+    max_update_norm: float | None = Field(
+        None, gt=0, description="optional absolute bound on a site's update norm (mean units); the only size bound "
+        "when fewer than 3 sites take part"
+    )
+    quarantine_after: int = Field(
+        3, ge=1, description="refused uploads after which a site is quarantined for the run (run_dir/quarantine.json; "
+        "the operator re-admits it by deleting its entry)"
+    )
 
     @model_validator(mode="after")
     def _initial_at_least_quorum(self) -> "FederationConfig":

@@ -6,8 +6,9 @@ drives the strategy's server half over the sites that are connected, in site-id 
 1. wait for a quorum (``min_sites``; ``initial_sites`` before the first step), send the
    current state (weights + optimizer state) to sites that joined since the last step;
 2. ``step_begin`` to every participant, then per phase: collect every participant's
-   upload in the order they arrive (``phase_timeout_s``), check each as it comes,
-   aggregate, send the message to all;
+   upload in the order they arrive (``phase_timeout_s``), check each as it comes
+   (protocol), then all together with the strategy's rules and the influence bound;
+   aggregate, decode the message as every site will, send it to all;
 3. once every participant has reported ``step_done`` (it has applied the update and
    saved its strategy state) the step is committed: the server applies the same update,
    logs metrics, evaluates and checkpoints on schedule.
@@ -20,6 +21,11 @@ is connected again. A site lost after the last phase but before its ``step_done`
 aborts the step: sites that already applied it get the server's state again (their
 weights differ from the step's start) and restore their strategy state. A site that
 reconnects receives the current state before its next step.
+
+Refusals (README "Trust"): a site whose upload fails a check, whose contribution is out
+of bounds, or whose upload alone breaks the aggregated message is dropped like a lost
+site; aborts it causes do not count towards ``MAX_ATTEMPTS_PER_STEP``, and after
+``quarantine_after`` refusals it is quarantined (``quarantine.py``).
 
 Strategy state across steps (PowerSGD error feedback and warm start, rank-dAD warm
 start and memories) lives in the strategy's halves and is restored, never silently lost:
@@ -47,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import torch
 
 from dadfl.metrics import MetricsWriter
 from dadfl.protos import coordinator_pb2 as cpb
@@ -56,13 +63,15 @@ from dadfl.protos.codec import PayloadAssembler, WireError, codec_id, encode_pay
 from dadfl.protos.state import state_payload
 from dadfl.replica import Replica
 from dadfl.strategies import make_strategy, weights_fingerprint
+from dadfl.strategies.checks import ModelFacts, check_update, influence_outliers
 from dadfl.workloads import load_workload
 
 from . import checkpoint
 from .config import ServerConfig
 from .enrol import EnrolmentError, verify
 from .links import FINISH, Close, Closed, Done, SiteLink, SyncRequest, Upload
-from .validate import PayloadError, UploadCheck
+from .quarantine import Quarantine
+from .validate import PayloadError, check_protocol
 
 log = logging.getLogger("dadfl.server")
 
@@ -112,10 +121,19 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         self.label = strategy_label(config.strategy.name, config.strategy.options, config.strategy.label)
         self.replica = Replica(workload, self.strategy, config.optimizer)
         self.layout = self.replica.layout
-        self.check = UploadCheck(self.layout, self.replica.model)
+        self.facts = ModelFacts.from_model(self.replica.model, self.layout, workload.train.inputs[:2])
+        try:
+            self.strategy.upload_units(self.layout, self.facts, 0, 0, self.replica.model)
+        except NotImplementedError:
+            raise ValueError(
+                f"strategy {config.strategy.name!r} states no upload rules (Strategy.upload_units), so the "
+                "coordinator cannot check what sites send; add them (see strategies/checks.py)"
+            ) from None
         self.codec = codec_id(config.wire.codec)
         self.run_dir = Path(config.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.quarantine = Quarantine(self.run_dir, config.federation.quarantine_after)
+        self.step_refusals: set[str] = set()  # sites refused during the step under way
         self.identity = {
             "workload": [config.workload.spec, config.workload.options],
             "strategy": [config.strategy.name, config.strategy.options],
@@ -201,6 +219,14 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         except EnrolmentError as exc:
             log.warning("refused %s from %s: %s", hello.site_id, context.peer(), exc)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED if exc.unknown else grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        try:
+            quarantined = self.quarantine.refusal(hello.site_id)
+        except ValueError as exc:  # the operator's file is unreadable: admit no one until it is fixed
+            log.error("%s", exc)
+            quarantined = f"the coordinator cannot read its quarantine list: {exc}"
+        if quarantined:
+            log.warning("refused %s: quarantined", hello.site_id)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, quarantined)
         await context.write(cpb.ServerMessage(config=self.run_config()))
         if self.finished:  # a late site still gets the final model
             for message in self._state_messages():
@@ -250,7 +276,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                     try:
                         assembled = assembler.feed(message.chunk)
                     except WireError as exc:
-                        link.close(grpc.StatusCode.INVALID_ARGUMENT, f"bad payload from site {link.site_id}: {exc}")
+                        self._refuse(link, f"bad payload from site {link.site_id}: {exc}")
                         break
                     if assembled is not None:
                         link.deliver(Upload(assembled))
@@ -288,15 +314,22 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         first = True
         with MetricsWriter(self.run_dir / "metrics.jsonl") as metrics:
             while self.step < steps:
-                for attempt in range(MAX_ATTEMPTS_PER_STEP):
+                attempt, failures = 0, 0
+                while True:
                     need = (self.config.federation.initial_sites or self.config.federation.min_sites) if first else self.config.federation.min_sites
                     participants = await self._quorum(need)
                     started = time.perf_counter()
+                    self.step_refusals = set()
                     result = await self._run_step(participants, attempt)
                     if result is not None:
                         break
-                else:
-                    raise RunStopped(f"step {self.step} failed {MAX_ATTEMPTS_PER_STEP} times in a row; see the log above")
+                    attempt += 1
+                    # An abort caused by a refused site is that site's doing: it is dropped
+                    # (and quarantined when it persists); only the others can stop the run.
+                    if not self.step_refusals:
+                        failures += 1
+                        if failures >= MAX_ATTEMPTS_PER_STEP:
+                            raise RunStopped(f"step {self.step} failed {failures} times in a row; see the log above")
                 first = False
                 await self._finish_step(result, attempt, started, metrics)
         self.finished = True
@@ -358,6 +391,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             self._send(link, begin)
         active, messages, phase_seconds = participants, [], []
         samples, loss_sum, bytes_up, bytes_down = 0, 0.0, 0, 0
+        update: dict = {}  # decoded from the messages so far, checked before each was sent
         phase = 0
         while True:
             started = time.perf_counter()
@@ -375,32 +409,141 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                     # step: every replica returns to the step's start (sites that applied resync).
                     missing = sorted({link.site_id for link in active} - set(dones))
                     return self._abort(active, step, attempt, f"{', '.join(missing)} left before reporting step {step} done")
-                fingerprint = await self._off_loop(sum(m.nbytes() for m in messages), self.replica.apply, messages)
+                fingerprint = await self._off_loop(sum(m.nbytes() for m in messages), self.replica.apply_update, update)
                 return StepResult(active, messages, samples, loss_sum, bytes_up, bytes_down, phase_seconds, dones, fingerprint)
             if lost and phase > 0:
                 return self._abort(active, step, attempt, f"{', '.join(lost)} left after phase 0, which already counted them")
             if len(uploads) < min_sites:
                 return self._abort(active, step, attempt, f"only {len(uploads)} of the {min_sites} sites needed sent phase {phase}")
             uploads.sort(key=lambda upload: upload[0].site_id)  # the server half sees sites in site-id order
+            uploads = await self._screen(uploads, step, phase, messages)
+            if isinstance(uploads, str):
+                return self._abort(active, step, attempt, uploads)
+            if self.step_refusals and phase > 0:
+                return self._abort(active, step, attempt, f"{', '.join(sorted(self.step_refusals))} refused after phase 0, which already counted them")
+            if len(uploads) < min_sites:
+                return self._abort(active, step, attempt, f"only {len(uploads)} of the {min_sites} sites needed sent an acceptable phase {phase}")
+            aggregated = await self._aggregate(uploads, step, phase, messages)
+            if isinstance(aggregated, str):
+                return self._abort(active, step, attempt, aggregated)
+            uploads, message, sent, update = aggregated
             active = [link for link, _ in uploads]
+            bytes_up += sum(u.header.total_bytes for _, u in uploads)
             if phase == 0:
                 samples = sum(u.payload.num_samples for _, u in uploads)
                 loss_sum = sum(u.header.loss_sum for _, u in uploads)
-            upload_bytes = sum(u.header.total_bytes for _, u in uploads)
-            bytes_up += upload_bytes
-            try:
-                message = await self._off_loop(upload_bytes, self.server_half.aggregate, [u.payload for _, u in uploads])
-            except Exception as exc:  # a strategy bug or an input the checks missed: keep the good state
-                log.exception("aggregation failed")
-                return self._abort(active, step, attempt, f"the {self.strategy.name} server half failed on phase {phase}: {exc}")
             chunks = encode_payload(message, self.codec, self.config.wire.chunk_bytes, kind=pb.PHASE, attempt=attempt)
-            messages.append(roundtrip(message, self.codec))  # what every site decodes
+            messages.append(sent)  # what every site decodes
             wire = [cpb.ServerMessage(chunk=chunk) for chunk in chunks]
             for link in active:
                 self._send(link, *wire)
             bytes_down += chunks[0].header.total_bytes * len(active)
             phase_seconds.append(time.perf_counter() - started)
             phase += 1
+
+    def _refuse(self, link: SiteLink, reason: str) -> None:
+        """Drop a site for a bad upload; count it towards quarantine."""
+        self.step_refusals.add(link.site_id)
+        if link.closed:
+            return
+        link.close(grpc.StatusCode.INVALID_ARGUMENT, reason)
+        self.quarantine.refuse(link.site_id, self.step, reason)
+
+    async def _screen(self, uploads: list, step: int, phase: int, messages: list) -> list | str:
+        """The uploads that pass the strategy's checks and the influence bound (the rest are
+        refused), or why the step must abort when the check itself is broken."""
+        payloads = [u.payload for _, u in uploads]
+        model = self.replica.model
+        federation = self.config.federation
+
+        def rejections() -> dict[int, str]:
+            try:
+                refused = {r.index: r.reason for r in self.strategy.check_uploads(self.layout, self.facts, phase, step, payloads, messages, model)}
+            except Exception as failure:  # the check itself failed on some upload: find which, one by one
+                refused, crashed = {}, 0
+                for index, payload in enumerate(payloads):
+                    try:
+                        for r in self.strategy.check_uploads(self.layout, self.facts, phase, step, [payload], messages, model):
+                            refused[index] = r.reason
+                    except Exception as exc:
+                        refused[index] = f"the {self.strategy.name} check failed on it ({type(exc).__name__}: {exc})"
+                        crashed += 1
+                if crashed == len(payloads):  # on every upload: the check is at fault, not the sites
+                    raise failure
+            measures = {}
+            for index in range(len(payloads)):
+                if index in refused:
+                    continue
+                try:
+                    measures[index] = self.strategy.contribution(self.layout, payloads[index], messages, model)
+                except Exception as exc:
+                    refused[index] = f"its contribution cannot be measured ({type(exc).__name__}: {exc})"
+            good = list(measures)
+            for j, reason in influence_outliers(list(measures.values()), federation.max_influence_ratio, federation.max_update_norm).items():
+                refused[good[j]] = f"contribution out of bounds: {reason}"
+            return refused
+
+        try:
+            refused = await self._off_loop(sum(p.nbytes() for p in payloads), rejections)
+        except Exception as exc:
+            log.error("the %s upload check fails on every upload: %s: %s", self.strategy.name, type(exc).__name__, exc)
+            return f"the {self.strategy.name} upload check failed ({type(exc).__name__})"
+        for index, reason in sorted(refused.items()):
+            link = uploads[index][0]
+            self._refuse(link, f"site {link.site_id}, step {step} phase {phase}: {reason}")
+        return [upload for index, upload in enumerate(uploads) if index not in refused]
+
+    def _message(self, half, payloads: list, messages: list) -> tuple:
+        """Aggregate, and decode what sites will decode: (message, as sites receive it,
+        update after this phase). Raises when the message would fail at a site."""
+        message = half.aggregate(payloads)
+        sent = roundtrip(message, self.codec)
+        for key, tensor in sent.tensors.items():
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise ValueError(f"the aggregated {key!r} is not finite on the wire")
+        update = self.replica.decode([*messages, sent])
+        check_update(self.facts, update)
+        return message, sent, update
+
+    def _half_from(self, state: dict):
+        """A server half in ``state`` (the phase's start), for trying uploads without touching the real one."""
+        half = self.strategy.server(self.layout, self.replica.model)
+        half.load_state_dict(state)
+        return half
+
+    async def _aggregate(self, uploads: list, step: int, phase: int, messages: list):
+        """``(uploads, message, sent, update)``, dropping sites whose payload alone breaks the
+        aggregation or the message; a reason (str) when the step must abort instead."""
+        while True:
+            payloads = [u.payload for _, u in uploads]
+            nbytes = sum(p.nbytes() for p in payloads)
+            start = self.server_half.state_dict()
+            try:
+                return (uploads, *await self._off_loop(nbytes, self._message, self.server_half, payloads, messages))
+            except Exception as exc:
+                self.server_half.load_state_dict(start)  # as at the phase's start, for the recomputation
+                failure = f"{type(exc).__name__}: {exc}"
+            log.warning("step %d phase %d: the aggregated message fails (%s); trying each site's upload alone", step, phase, failure)
+            offenders = [link for link, upload in uploads if not await self._passes(start, [upload.payload], messages)]
+            if not offenders and len(uploads) >= 3:  # fine alone, not together: whose absence mends it?
+                for link, _ in uploads:
+                    if await self._passes(start, [u.payload for other, u in uploads if other is not link], messages):
+                        offenders.append(link)
+            if not offenders or len(offenders) == len(uploads):
+                return f"the {self.strategy.name} server half failed on phase {phase}: {failure}"
+            for link in offenders:
+                self._refuse(link, f"site {link.site_id}, step {step} phase {phase}: its upload breaks the aggregated message ({failure})")
+            uploads = [(link, upload) for link, upload in uploads if link not in offenders]
+            if phase > 0 or len(uploads) < self.config.federation.min_sites:
+                return f"{', '.join(sorted(link.site_id for link in offenders))} broke phase {phase}"
+
+    async def _passes(self, start, payloads: list, messages: list) -> bool:
+        """Whether these uploads alone make a message every site can decode (on a copy of ``start``)."""
+        try:
+            await self._off_loop(sum(p.nbytes() for p in payloads), self._message, self._half_from(start), payloads, messages)
+        except Exception:
+            return False
+        return True
 
     @staticmethod
     async def _off_loop(nbytes: int, function, *args):
@@ -456,9 +599,9 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                 return None
             return event
         try:
-            self.check.check(event.payload, step, attempt, phase, self.fingerprint, self.config.training.batch_size)
+            check_protocol(event.payload, step, attempt, phase, self.fingerprint, self.config.training.batch_size)
         except PayloadError as exc:
-            link.close(grpc.StatusCode.INVALID_ARGUMENT, f"site {link.site_id}, step {step} phase {phase}: {exc}")
+            self._refuse(link, f"site {link.site_id}, step {step} phase {phase}: {exc}")
             return None
         return event
 

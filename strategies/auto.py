@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .base import Strategy, check_raw_input, may_share
-from .dad import FactorServer, FactorSite, dense_cost, factor_cost
+from .dad import FactorServer, FactorSite, dense_cost, factor_cost, factor_units
 from .layout import CapturedLayer, Layout
 
 
@@ -37,3 +37,8 @@ class Auto(Strategy):
 
     def server(self, layout: Layout, model=None) -> FactorServer:
         return FactorServer(layout, "smaller")
+
+    def upload_units(self, layout: Layout, facts, phase: int, step: int, model=None) -> list | None:
+        """As dAD: a site picks factors or dense per layer by its own row count."""
+        shares = lambda layer: may_share(layer, self.raw_input, "activations")  # noqa: E731
+        return factor_units(layout, facts, shares) if phase == 0 else None

@@ -199,6 +199,32 @@ class Strategy:
         """Per-step diagnostics for the metrics log (e.g. effective rank per layer)."""
         return {}
 
+    # The server's checks (``checks.py``): every upload is hostile until they pass.
+
+    def upload_units(self, layout: Layout, facts, phase: int, step: int, model: nn.Module | None = None) -> list | None:
+        """What a site may send in ``phase`` of ``step``: a list of ``checks.Unit``, or
+        None when this phase takes no upload."""
+        raise NotImplementedError  # pragma: no cover - every strategy states its own
+
+    def check_uploads(
+        self, layout: Layout, facts, phase: int, step: int, payloads: Sequence[Payload],
+        messages_so_far: Sequence[Payload], model: nn.Module | None = None,
+    ) -> list:
+        """The uploads of one phase that break this strategy's rules, as
+        ``checks.PayloadRejection`` (index into ``payloads``, reason)."""
+        from .checks import check_uploads  # checks.py builds on this module
+
+        return check_uploads(self.upload_units(layout, facts, phase, step, model), payloads, self.name, phase)
+
+    def contribution(
+        self, layout: Layout, payload: Payload, messages_so_far: Sequence[Payload], model: nn.Module | None = None
+    ) -> dict[str, float]:
+        """Norms (mean units, float64) of what one checked upload adds to the update, by
+        kind ("update", "buffers"); the server bounds each against the other sites'."""
+        from .checks import layerwise_contribution
+
+        return layerwise_contribution(layout, payload)
+
 
 RAW_INPUT_POLICIES = ("dense", "low_rank", "activations")
 

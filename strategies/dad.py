@@ -39,6 +39,7 @@ from .base import (
     bias_from_deltas,
     check_raw_input,
 )
+from .checks import Unit
 from .layout import CapturedLayer, Layout
 
 DOWNLINKS = ("dense", "factors", "smaller")
@@ -114,6 +115,17 @@ class FactorServer(LayerwiseServer):
         return self.downlink == "factors"
 
 
+def factor_units(layout: Layout, facts, shares: Callable[[CapturedLayer], bool]) -> list:
+    """What a ``FactorSite`` may send: uncovered gradients and buffers dense; each captured
+    layer as A and D of ``num_samples`` × rows-per-sample rows (where ``shares`` allows
+    it) or as its dense gradient."""
+    units = facts.dense_units(layout.uncovered) + facts.buffer_units(layout.buffers)
+    for layer in layout.layers:
+        forms = (facts.layer_factors(layer), facts.layer_dense(layer)) if shares(layer) else (facts.layer_dense(layer),)
+        units.append(Unit(layer.module, forms))
+    return units
+
+
 @dataclass(frozen=True)
 class DAD(Strategy):
     """Exact; up: activations and deltas; down: ``downlink`` = "dense" or "factors"."""
@@ -135,3 +147,7 @@ class DAD(Strategy):
 
     def server(self, layout: Layout, model=None) -> FactorServer:
         return FactorServer(layout, self.downlink)
+
+    def upload_units(self, layout: Layout, facts, phase: int, step: int, model=None) -> list | None:
+        shares = lambda layer: may_share(layer, self.raw_input, "activations")  # noqa: E731
+        return factor_units(layout, facts, shares) if phase == 0 else None

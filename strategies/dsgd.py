@@ -57,3 +57,7 @@ class DSGD(Strategy):
 
     def server(self, layout: Layout, model=None) -> DenseServer:
         return DenseServer(layout)
+
+    def upload_units(self, layout: Layout, facts, phase: int, step: int, model=None) -> list | None:
+        """Phase 0: every parameter's gradient and every buffer, in their shapes."""
+        return facts.dense_units(layout.params) + facts.buffer_units(layout.buffers) if phase == 0 else None

@@ -47,6 +47,7 @@ from .base import (
     may_share,
     tensor_key,
 )
+from .checks import Unit, layerwise_contribution
 from .dad import FactorServer
 from .layout import CapturedLayer, Layout
 
@@ -186,6 +187,25 @@ class EDAD(Strategy):
     def server(self, layout: Layout, model: nn.Module | None = None) -> EDADServer:
         chain = feed_forward_chain(model, layout)
         return EDADServer(layout, chain, EDADSite(layout, chain, self.raw_input), self.downlink, model)
+
+    def upload_units(self, layout: Layout, facts, phase: int, step: int, model: nn.Module | None = None) -> list | None:
+        """Phase 0: dense parts; activations of every factored layer, deltas of the output
+        layer too; every layer the same rows."""
+        if phase != 0:
+            return None
+        site = EDADSite(layout, feed_forward_chain(model, layout), self.raw_input)
+        units = facts.dense_units(site.dense) + facts.buffer_units(layout.buffers)
+        for layer in site.factored:
+            units.append(Unit(layer.module, (facts.layer_factors(layer, "AD" if layer == site.output else "A"),)))
+        return units
+
+    def contribution(self, layout: Layout, payload: Payload, messages_so_far, model: nn.Module | None = None) -> dict:
+        """The hidden deltas this site's rows imply, recomputed in float64, then as dAD."""
+        chain = feed_forward_chain(model, layout)
+        params = {name: p.detach().double() for name, p in model.named_parameters()}
+        tensors = {key: t.double() if t.is_floating_point() else t for key, t in payload.tensors.items()}
+        full = recompute_deltas(chain, params, tensors)
+        return layerwise_contribution(layout, Payload(payload.step, payload.phase, payload.num_samples, full))
 
     def decode(self, layout: Layout, messages: Sequence[Payload], model: nn.Module | None = None) -> dict:
         message = messages[-1]

@@ -50,6 +50,7 @@ for r < rank(M): the error memory carries what was left out into later steps.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -73,6 +74,7 @@ from .base import (
     tensors_under,
     with_prefix,
 )
+from .checks import Form, Spec, Unit, sq_norm
 from .layout import Layout
 
 SEED_RANGE = 1_000_000_000  # the hook draws torch seeds with RandomState.randint(1_000_000_000)
@@ -352,6 +354,38 @@ class PowerSGD(Strategy):
 
     def server(self, layout: Layout, model=None) -> PowerSGDServer:
         return PowerSGDServer(layout, self)
+
+    def upload_units(self, layout: Layout, facts, phase: int, step: int, model=None) -> list | None:
+        """Warm-up steps: dSGD's phase 0. Compressed steps: phase 0 the dense tensors and
+        P (n × r) per matrix, phase 1 Q (m × r) per matrix, r the plan's rank exactly."""
+        if not self.compresses(step):
+            return facts.dense_units(layout.params) + facts.buffer_units(layout.buffers) if phase == 0 else None
+        plan_ = plan(layout, self.rank, self.min_compression_rate)
+        if phase == 0:
+            units = facts.dense_units(plan_.dense) + facts.buffer_units(layout.buffers)
+            role, rows = "P", lambda m: m.n
+        elif phase == 1:
+            units, role, rows = [], "Q", lambda m: m.m
+        else:
+            return None
+        for matrix in plan_.matrices:
+            key = tensor_key(matrix.name, role)
+            units.append(Unit(matrix.name, (Form(f"{role} factor", {key: Spec((rows(matrix), matrix.r), facts.params[matrix.name][1])}),)))
+        return units
+
+    def contribution(self, layout: Layout, payload: Payload, messages_so_far, model=None) -> dict[str, float]:
+        """Mean units: dense gradients / n_s and P_s (phase 0); Q_s (phase 1), whose norm is
+        that of P̂ Q_sᵀ since P̂ has orthonormal columns."""
+        update = buffers = 0.0
+        for key, tensor in payload.tensors.items():
+            role = split_key(key)[1]
+            if role == GRAD_ROLE:
+                update += sq_norm(tensor) / payload.num_samples**2
+            elif role == BUFFER_ROLE and tensor.is_floating_point():
+                buffers += sq_norm(tensor) / payload.num_samples**2
+            elif role in ("P", "Q"):
+                update += sq_norm(tensor)
+        return {"update": math.sqrt(update), "buffers": math.sqrt(buffers)}
 
     def decode(self, layout: Layout, messages: Sequence[Payload], model=None) -> dict[str, torch.Tensor]:
         return decode_powersgd(plan(layout, self.rank, self.min_compression_rate), messages)

@@ -101,6 +101,7 @@ from .base import (
     tensors_under,
     with_prefix,
 )
+from .checks import RANK, Form, Spec, Unit, layerwise_contribution
 from .layout import CapturedLayer, Layout
 from .power_iteration import dense_power_iteration, effective_rank, make_generator, power_iteration, reduce_sum
 
@@ -410,6 +411,33 @@ class RankDAD(Strategy):
                 P, Q = factors
                 update[target.weight] = torch.bmm(P, Q.transpose(1, 2)).reshape(target.weight_shape) / message.num_samples
         return update
+
+    def upload_units(self, layout: Layout, facts, phase: int, step: int, model=None) -> list | None:
+        """Phase 0: dense parts; each compressed layer as P, Q of one rank ≤ min(rank, m, k)
+        with its bias dense, or (not called this step) dense; each compressed uncovered
+        matrix as 2-D P, Q; the privacy guard's layers dense."""
+        if phase != 0:
+            return None
+        plan_ = plan(layout, self.rank, self.raw_input)
+        units = facts.dense_units(plan_.dense_params) + facts.buffer_units(layout.buffers)
+        units += [Unit(layer.module, (facts.layer_dense(layer),)) for layer in plan_.dense_layers]
+        for target in plan_.matrices:
+            max_rank = min(self.rank, target.m, target.k)
+            if target.layer is not None:
+                forms = (facts.layer_low_rank(target.layer, max_rank), facts.layer_dense(target.layer))
+            else:
+                dtype = facts.params[target.weight][1]
+                forms = (Form("low-rank factors", {
+                    tensor_key(target.key, "P"): Spec((target.m, RANK), dtype),
+                    tensor_key(target.key, "Q"): Spec((target.k, RANK), dtype),
+                }, max_rank=max_rank),)
+            units.append(Unit(target.key, forms))
+        return units
+
+    def contribution(self, layout: Layout, payload: Payload, messages_so_far, model=None) -> dict[str, float]:
+        """As the layer-wise measure, over every compressed matrix's factors (P in sum units)."""
+        pairs = [f for target in plan(layout, self.rank, self.raw_input).matrices if (f := target.read(payload))]
+        return layerwise_contribution(layout, payload, low_rank=pairs)
 
     def describe(self, layout: Layout, messages: Sequence[Payload]) -> dict[str, float]:
         """``rank/<name>``: effective rank of each factored matrix's decoded update

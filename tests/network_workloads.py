@@ -72,3 +72,6 @@ class TwoPhase(Strategy):
 
     def server(self, layout, model=None):
         return DenseServer(layout)
+
+    def upload_units(self, layout, facts, phase, step, model=None):
+        return facts.dense_units(layout.params) + facts.buffer_units(layout.buffers) if phase in (0, 1) else None

@@ -47,8 +47,8 @@ PAYLOAD_ATTACKS = {
     "wrong dtype": (lambda p: replace_grad(p, lambda t: t.double()), "dtype torch.float64, expected torch.float32"),
     "NaN": (lambda p: replace_grad(p, with_nan), "contains NaN or Inf"),
     "Inf": (lambda p: replace_grad(p, with_inf), "contains NaN or Inf"),
-    "unknown tensor": (lambda p: Payload(p.step, p.phase, p.num_samples, {**p.tensors, "9.weight:grad": torch.zeros(2)}), "no parameter '9.weight'"),
-    "unknown role": (lambda p: Payload(p.step, p.phase, p.num_samples, {**p.tensors, "0:Z": torch.zeros(2)}), "unknown role 'Z'"),
+    "unknown tensor": (lambda p: Payload(p.step, p.phase, p.num_samples, {**p.tensors, "9.weight:grad": torch.zeros(2)}), "unexpected tensor '9.weight:grad'"),
+    "unknown role": (lambda p: Payload(p.step, p.phase, p.num_samples, {**p.tensors, "0:Z": torch.zeros(2)}), "unexpected tensor '0:Z'"),
     "wrong step": (lambda p: Payload(p.step + 5, p.phase, p.num_samples, p.tensors), "while the server runs step"),
     "wrong phase": (lambda p: Payload(p.step, 3, p.num_samples, p.tensors), "payload for phase 3"),
     "too many samples": (lambda p: Payload(p.step, p.phase, 10_000, p.tensors), "num_samples=10000 is outside 1..16"),
@@ -103,7 +103,7 @@ def federation(tmp_path_factory):
     config = server_config(
         tmp,
         training={"steps": 400, "eval_every": 400, "checkpoint_every": 0},
-        federation={"min_sites": 1, "initial_sites": 2, "linger_s": 1},
+        federation={"min_sites": 1, "initial_sites": 2, "linger_s": 1, "quarantine_after": 1000},
     )
     server = ServerThread(config).start()
     patch = pytest.MonkeyPatch()

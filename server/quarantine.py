@@ -1,0 +1,64 @@
+"""Sites refused too often are quarantined for the run, until the operator re-admits them.
+
+The coordinator counts each site's refused uploads (a check failed, its contribution out
+of bounds, bytes that do not decode). At ``federation.quarantine_after`` refusals the site
+is written to ``run_dir/quarantine.json`` and refused at every later join with
+PERMISSION_DENIED. The file is the operator's switch: deleting a site's entry re-admits
+it (read at each join, no restart needed), with its count back at zero.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger("dadfl.server")
+
+FILE = "quarantine.json"
+
+
+class Quarantine:
+    def __init__(self, run_dir: Path, after: int):
+        self.path = Path(run_dir) / FILE
+        self.after = after
+        self.refusals: dict[str, int] = {}
+
+    def entries(self) -> dict[str, dict]:
+        if not self.path.exists():
+            return {}
+        try:
+            entries = json.loads(self.path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{self.path} is not a JSON object of quarantined sites ({exc}); fix or delete it") from None
+        if not isinstance(entries, dict):
+            raise ValueError(f"{self.path} is not a JSON object of quarantined sites; fix or delete it")
+        return entries
+
+    def refusal(self, site_id: str) -> str | None:
+        """Why ``site_id`` may not join, or None. A site the operator removed from the file
+        starts again from zero refusals."""
+        entry = self.entries().get(site_id)
+        if entry is None:
+            if self.refusals.get(site_id, 0) >= self.after:
+                log.warning("site %s was re-admitted by the operator (removed from %s)", site_id, self.path)
+                self.refusals[site_id] = 0
+            return None
+        return (
+            f"site {site_id} is quarantined for this run after {entry.get('refusals', '?')} refused uploads "
+            f"(last: {entry.get('reason', '?')}); the operator re-admits it by removing it from {self.path}"
+        )
+
+    def refuse(self, site_id: str, step: int, reason: str) -> bool:
+        """Count one refused upload; True when the site is now quarantined."""
+        count = self.refusals[site_id] = self.refusals.get(site_id, 0) + 1
+        if count < self.after:
+            return False
+        entries = self.entries()
+        entries[site_id] = {"refusals": count, "step": step, "reason": reason}
+        tmp = self.path.with_name(FILE + ".tmp")
+        tmp.write_text(json.dumps(entries, indent=2) + "\n")
+        os.replace(tmp, self.path)
+        log.warning("site %s quarantined after %d refused uploads; re-admit it by removing it from %s", site_id, count, self.path)
+        return True

@@ -1,0 +1,327 @@
+"""What an upload may carry, and how far it may move the model: the machinery every
+strategy's checks are built from.
+
+A strategy states, per phase, what a site may send as a list of **units** — one per
+parameter, buffer or captured layer — each with the **forms** it may travel in (a
+captured layer as activations and deltas, or as its dense gradient, ...). A form names
+its tensors with their shapes and dtypes; a shape may use two symbols:
+
+- ``ROWS``: the layer's rows, ``num_samples`` × the rows one sample makes in that layer
+  (1 for an MLP, positions for a convolution, time steps for a recurrent cell), measured
+  once on an example batch (:class:`ModelFacts`); every tensor of the form has the same;
+- ``RANK``: the same within the form, between 1 and the form's ``max_rank``.
+
+An upload must match exactly one form of every unit, carry nothing else, and hold only
+finite values (:func:`check_payload`). Then its **contribution** is measured — the norm
+of the update it would add, in mean units, computed from the factors without forming
+ΔᵀA where that is cheaper (:func:`factor_sq_norm`, :func:`low_rank_sq_norm`), in
+float64 so finite values near the float32 limit cannot overflow — and a site whose
+contribution is non-finite or out of proportion with the others' is refused
+(:func:`influence_outliers`). Before the server sends a message, the update every site
+will decode from it is checked (:func:`check_update`).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from .base import BUFFER_ROLE, GRAD_ROLE, Payload, split_key, tensor_key
+from .capture import unfold_input
+from .layout import CapturedLayer, Layout
+
+ROWS = "rows"
+RANK = "rank"
+MAX_ECHO = 80  # characters of a site-supplied name that a reason may quote
+
+
+def quote(text: str) -> str:
+    """A site-supplied name, safe to put in a log line: escaped and length-limited."""
+    shown = repr(text[:MAX_ECHO])
+    return shown if len(text) <= MAX_ECHO else shown + "…"
+
+
+@dataclass(frozen=True)
+class Spec:
+    shape: tuple[int | str, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class Form:
+    """One way a unit may travel: these tensors, nothing more, nothing less."""
+
+    name: str
+    tensors: dict[str, Spec] = field(hash=False)
+    rows_per_sample: int | None = None  # ROWS = num_samples × this (None: any multiple)
+    max_rank: int = 0
+
+
+@dataclass(frozen=True)
+class Unit:
+    name: str
+    forms: tuple[Form, ...]
+
+
+@dataclass(frozen=True)
+class PayloadRejection:
+    """Upload ``index`` (in the order given to the check) is refused for ``reason``."""
+
+    index: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the checks know of the model beyond its layout: shapes and dtypes of every
+    parameter and buffer, and the rows one sample makes in each captured layer."""
+
+    params: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    buffers: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    rows_per_sample: dict[str, int | None]
+
+    @classmethod
+    def from_model(cls, model: nn.Module, layout: Layout, example_inputs) -> "ModelFacts":
+        inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+        batch = int(inputs[0].shape[0])
+        modules = dict(model.named_modules())
+        rows: dict[str, int] = {}
+
+        def counter(name: str):
+            def hook(module, args, output):
+                rows[name] = rows.get(name, 0) + unfold_input(module, args[0]).shape[0]
+
+            return hook
+
+        handles = [modules[layer.module].register_forward_hook(counter(layer.module)) for layer in layout.layers]
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                model(*inputs)
+        finally:
+            for handle in handles:
+                handle.remove()
+            model.train(was_training)
+        per_sample = {name: (count // batch if count % batch == 0 else None) for name, count in rows.items()}
+        return cls(
+            params={name: (tuple(p.shape), p.dtype) for name, p in model.named_parameters()},
+            buffers={name: (tuple(b.shape), b.dtype) for name, b in model.named_buffers()},
+            rows_per_sample={layer.module: per_sample.get(layer.module) for layer in layout.layers},
+        )
+
+    # ------------------------------------------------------------ forms strategies share
+
+    def dense(self, name: str) -> Form:
+        shape, dtype = self.params[name]
+        return Form("dense gradient", {tensor_key(name, GRAD_ROLE): Spec(shape, dtype)})
+
+    def dense_units(self, names: Sequence[str]) -> list[Unit]:
+        return [Unit(name, (self.dense(name),)) for name in names]
+
+    def buffer_units(self, names: Sequence[str]) -> list[Unit]:
+        return [
+            Unit(name, (Form("buffer", {tensor_key(name, BUFFER_ROLE): Spec(*self.buffers[name])}),)) for name in names
+        ]
+
+    def layer_dense(self, layer: CapturedLayer) -> Form:
+        tensors = dict(self.dense(layer.weight).tensors)
+        if layer.bias:
+            tensors.update(self.dense(layer.bias).tensors)
+        return Form("dense gradient", tensors)
+
+    def layer_factors(self, layer: CapturedLayer, roles: str = "AD") -> Form:
+        """Activations (``A``) and/or deltas (``D``): (groups, ROWS, width)."""
+        dtype = self.params[layer.weight][1]
+        width = {"A": layer.in_per_group, "D": layer.out_per_group}
+        tensors = {tensor_key(layer.module, role): Spec((layer.groups, ROWS, width[role]), dtype) for role in roles}
+        return Form("factors", tensors, rows_per_sample=self.rows_per_sample.get(layer.module))
+
+    def layer_low_rank(self, layer: CapturedLayer, max_rank: int) -> Form:
+        """P (groups, m, RANK) and Q (groups, k, RANK), the bias dense."""
+        dtype = self.params[layer.weight][1]
+        tensors = {
+            tensor_key(layer.module, "P"): Spec((layer.groups, layer.out_per_group, RANK), dtype),
+            tensor_key(layer.module, "Q"): Spec((layer.groups, layer.in_per_group, RANK), dtype),
+        }
+        if layer.bias:
+            tensors.update(self.dense(layer.bias).tensors)
+        return Form("low-rank factors", tensors, max_rank=max_rank)
+
+
+# ----------------------------------------------------------------------------- form checks
+
+
+def check_payload(units: Sequence[Unit], payload: Payload) -> str | None:
+    """Why ``payload`` does not match ``units`` (one form per unit, nothing else), or None."""
+    keys = set(payload.tensors)
+    claimed: set[str] = set()
+    for unit in units:
+        unit_keys = {key for form in unit.forms for key in form.tensors}
+        present = keys & unit_keys
+        complete = [form for form in unit.forms if set(form.tensors) == present]
+        if not complete:
+            return _form_mismatch(unit, present)
+        claimed |= present
+        reason = _check_form(complete[0], payload)
+        if reason:
+            return f"{unit.name} ({complete[0].name}): {reason}"
+    extra = sorted(keys - claimed)
+    if extra:
+        return f"unexpected tensor {quote(extra[0])}" + (f" and {len(extra) - 1} more" if len(extra) > 1 else "")
+    return None
+
+
+def _form_mismatch(unit: Unit, present: set[str]) -> str:
+    expected = " or ".join(f"{form.name} ({', '.join(sorted(form.tensors))})" for form in unit.forms)
+    if not present:
+        return f"{unit.name}: missing; expected {expected}"
+    return f"{unit.name}: got {', '.join(sorted(present))}; expected {expected}"
+
+
+def _check_form(form: Form, payload: Payload) -> str | None:
+    rows: int | None = None
+    rank: int | None = None
+    for key, spec in form.tensors.items():
+        tensor = payload.tensors[key]
+        where = f"tensor {key!r}"
+        if tensor.dtype != spec.dtype:
+            return f"{where}: dtype {tensor.dtype}, expected {spec.dtype}"
+        if tensor.dim() != len(spec.shape):
+            return f"{where}: shape {tuple(tensor.shape)}, expected {_show(spec.shape)}"
+        for axis, (size, want) in enumerate(zip(tensor.shape, spec.shape)):
+            if want == ROWS:
+                rows = size if rows is None else rows
+                if size != rows:
+                    return f"{where}: {size} rows along dimension {axis}, but {rows} in the form's other tensors"
+            elif want == RANK:
+                rank = size if rank is None else rank
+                if size != rank:
+                    return f"{where}: rank {size} along dimension {axis}, but {rank} in the form's other tensors"
+            elif size != want:
+                return f"{where}: shape {tuple(tensor.shape)}, expected {_show(spec.shape)}"
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            return f"{where}: contains NaN or Inf"
+    if rows is not None:
+        n, per_sample = payload.num_samples, form.rows_per_sample
+        if per_sample and rows != n * per_sample:
+            return f"{rows} rows, but num_samples={n} at {per_sample} rows per sample makes {n * per_sample}"
+        if not per_sample and rows % n:
+            return f"{rows} rows is not a multiple of num_samples={n}"
+    if rank is not None and not 1 <= rank <= form.max_rank:
+        return f"rank {rank} is outside 1..{form.max_rank}"
+    return None
+
+
+def _show(shape: tuple) -> str:
+    return "(" + ", ".join(str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def check_uploads(units: Sequence[Unit] | None, payloads: Sequence[Payload], what: str, phase: int) -> list[PayloadRejection]:
+    """Each payload against the same units; ``units`` None: this phase takes no upload."""
+    if units is None:
+        return [PayloadRejection(i, f"{what} takes no upload in phase {phase}") for i in range(len(payloads))]
+    rejections = []
+    for index, payload in enumerate(payloads):
+        reason = check_payload(units, payload)
+        if reason:
+            rejections.append(PayloadRejection(index, reason))
+    return rejections
+
+
+# ----------------------------------------------------------------------------- contribution
+
+
+def sq_norm(tensor: torch.Tensor) -> float:
+    t = tensor.double()
+    return float((t * t).sum())
+
+
+def factor_sq_norm(A: torch.Tensor, D: torch.Tensor) -> float:
+    """‖DᵀA‖_F² summed over groups, in float64: from the n × n Grams, Σ (AAᵀ) ⊙ (DDᵀ),
+    when n(k + m) < km, else by forming DᵀA."""
+    A, D = A.double(), D.double()
+    n, k, m = A.shape[1], A.shape[2], D.shape[2]
+    if n * (k + m) < k * m:
+        return float((torch.bmm(A, A.transpose(1, 2)) * torch.bmm(D, D.transpose(1, 2))).sum())
+    product = torch.bmm(D.transpose(1, 2), A)
+    return float((product * product).sum())
+
+
+def low_rank_sq_norm(P: torch.Tensor, Q: torch.Tensor) -> float:
+    """‖PQᵀ‖_F² = Σ (PᵀP) ⊙ (QᵀQ), summed over groups (a leading group axis optional)."""
+    P, Q = P.double(), Q.double()
+    return float((P.transpose(-2, -1) @ P * (Q.transpose(-2, -1) @ Q)).sum())
+
+
+def layerwise_contribution(layout: Layout, payload: Payload, low_rank: Sequence[tuple] | None = None) -> dict[str, float]:
+    """Norms, in mean units, of the update a one-phase layer-wise payload adds (dense
+    gradients, activation/delta pairs with the bias read off Δ, P/Q pairs: ``low_rank``,
+    by default those under captured layers' names) and of its floating buffers. Sum-unit
+    tensors are divided by ``num_samples``."""
+    tensors, n = payload.tensors, payload.num_samples
+    update = buffers = 0.0
+    for key, tensor in tensors.items():
+        _, role = split_key(key)
+        if role == GRAD_ROLE:
+            update += sq_norm(tensor)
+        elif role == BUFFER_ROLE and tensor.is_floating_point():
+            buffers += sq_norm(tensor)
+    for layer in layout.layers:
+        a, d = tensors.get(tensor_key(layer.module, "A")), tensors.get(tensor_key(layer.module, "D"))
+        if a is not None and d is not None:
+            update += factor_sq_norm(a, d)
+            if layer.bias:
+                update += sq_norm(d.sum(dim=1))
+    if low_rank is None:
+        low_rank = [(tensors.get(tensor_key(layer.module, "P")), tensors.get(tensor_key(layer.module, "Q"))) for layer in layout.layers]
+    for p, q in low_rank:
+        if p is not None and q is not None:
+            update += low_rank_sq_norm(p, q)
+    return {"update": math.sqrt(update) / n, "buffers": math.sqrt(buffers) / n}
+
+
+def influence_outliers(measures: Sequence[dict[str, float]], max_ratio: float, max_norm: float | None) -> dict[int, str]:
+    """Sites (by index) whose contribution is non-finite, above ``max_ratio`` × the median
+    of the other sites' (with 3 or more sites; with fewer no site is a majority), or above
+    the absolute bound ``max_norm`` when one is set."""
+    refused: dict[int, str] = {}
+    for index, measure in enumerate(measures):
+        for name, value in measure.items():
+            if not math.isfinite(value):
+                refused[index] = f"its {name} norm is not finite"
+                break
+            if max_norm is not None and value > max_norm:
+                refused[index] = f"its {name} norm {value:.3g} exceeds federation.max_update_norm={max_norm:g}"
+                break
+            if len(measures) >= 3:
+                median = statistics.median(m[name] for j, m in enumerate(measures) if j != index)
+                if value > max_ratio * median:
+                    refused[index] = (
+                        f"its {name} norm {value:.3g} is more than {max_ratio:g}× the median {median:.3g} of the "
+                        "other sites' (federation.max_influence_ratio)"
+                    )
+                    break
+    return refused
+
+
+# ----------------------------------------------------------------------------- the message
+
+
+def check_update(facts: ModelFacts, update: dict[str, torch.Tensor]) -> None:
+    """The decoded update must name known parameters and buffers with their shapes, finite;
+    raises ValueError saying what is wrong."""
+    for key, tensor in update.items():
+        name, role = split_key(key)
+        known = facts.buffers.get(name) if role == BUFFER_ROLE else facts.params.get(key)
+        if known is None:
+            raise ValueError(f"the update names {quote(key)}, which the model does not have")
+        if tuple(tensor.shape) != known[0]:
+            raise ValueError(f"the update of {key!r} has shape {tuple(tensor.shape)}, the model's is {known[0]}")
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"the update of {key!r} is not finite")
