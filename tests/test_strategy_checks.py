@@ -14,16 +14,22 @@ from dadfl.strategies.checks import ModelFacts, factor_sq_norm, influence_outlie
 from dadfl.strategies.layout import Layout
 from dadfl.workloads import load_workload
 
-STRATEGIES = {
-    "dsgd": {},
-    "dad": {},
-    "auto": {},
-    "edad": {},
-    "rankdad": {"rank": 2},
-    "powersgd": {"rank": 1, "start_iter": 0},
+STRATEGIES = {  # label: (name, options)
+    "dsgd": ("dsgd", {}),
+    "dad": ("dad", {}),
+    "auto": ("auto", {}),
+    "edad": ("edad", {}),
+    "rankdad": ("rankdad", {"rank": 2}),
+    "rankdad-low-rank": ("rankdad", {"rank": 2, "raw_input": "low_rank", "reduce_on_server": False}),
+    "powersgd": ("powersgd", {"rank": 1, "start_iter": 0}),
 }
 EXACT = ("dsgd", "dad", "auto", "edad")  # their contribution is the site's exact mean gradient norm
-WORKLOADS = {"digits-mlp": {"hidden": 16}, "digits-cnn": {"channels": 4}, "char-gru": {}}
+WORKLOADS = {
+    "digits-mlp": {"hidden": 16},
+    "digits-cnn": {"channels": 4},
+    "char-gru": {"seq_len": 8, "embed": 8, "hidden": 16, "max_sequences": 100},
+    "char-transformer": {"seq_len": 8, "d_model": 16, "heads": 2, "layers": 1, "max_sequences": 100},
+}
 
 
 @functools.cache
@@ -34,7 +40,7 @@ def workload_named(spec: str):
 def federation(spec: str, name: str, sizes=(16, 11, 7)):
     """The phase-0 uploads of three sites with unequal batches, and what the server knows."""
     workload = workload_named(spec)
-    strategy = make_strategy(name, **STRATEGIES[name])
+    strategy = make_strategy(STRATEGIES[name][0], **STRATEGIES[name][1])
     model = workload.build_model()
     layout = Layout.from_model(model, workload.train.inputs[:2])
     facts = ModelFacts.from_model(model, layout, workload.train.inputs[:2])
