@@ -416,11 +416,13 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             if len(uploads) < min_sites:
                 return self._abort(active, step, attempt, f"only {len(uploads)} of the {min_sites} sites needed sent phase {phase}")
             uploads.sort(key=lambda upload: upload[0].site_id)  # the server half sees sites in site-id order
-            uploads = await self._screen(uploads, step, phase, messages)
-            if isinstance(uploads, str):
-                return self._abort(active, step, attempt, uploads)
-            if self.step_refusals and phase > 0:
-                return self._abort(active, step, attempt, f"{', '.join(sorted(self.step_refusals))} refused after phase 0, which already counted them")
+            screened = await self._screen(uploads, step, phase, messages)
+            if isinstance(screened, str):
+                return self._abort(active, step, attempt, screened)
+            if len(screened) < len(uploads) and phase > 0:
+                refused = sorted({link.site_id for link, _ in uploads} - {link.site_id for link, _ in screened})
+                return self._abort(active, step, attempt, f"{', '.join(refused)} refused after phase 0, which already counted them")
+            uploads = screened
             if len(uploads) < min_sites:
                 return self._abort(active, step, attempt, f"only {len(uploads)} of the {min_sites} sites needed sent an acceptable phase {phase}")
             aggregated = await self._aggregate(uploads, step, phase, messages)

@@ -228,6 +228,8 @@ def attacked_run(tmp_path, monkeypatch, spec: StrategySpec, processes: bool) -> 
     records = list(read_metrics(tmp_path / "run" / "metrics.jsonl"))
     assert [r["step"] for r in records] == list(range(STEPS))
     assert all(math.isfinite(r["train_loss"]) for r in records)
+    # Every attack is refused in the phase it is sent, so no step restarts: the honest sites go on.
+    assert all(r["attempt"] == 0 for r in records), [r["step"] for r in records if r["attempt"]]
 
     must_refuse = set(ATTACKS) - UNDETECTABLE - (set() if spec.name in ROWS_TRAVEL else {"wrong row count"})
     assert must_refuse <= set(ledger.refused), f"accepted: {sorted(ledger.accepted)}, refused: {sorted(ledger.refused)}"
