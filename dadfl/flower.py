@@ -196,9 +196,9 @@ def workload_for(config: SimulationConfig) -> Workload:
     return _cached_workload(config.workload, json.dumps(config.workload_options, sort_keys=True))
 
 
-# Minibatches by (run, node, partition index). Only a shortcut: a step's batch depends on
-# (seed, step) alone, so a process that lacks them rebuilds them.
-_batch_streams: dict[tuple[int, int, int], StepBatches] = {}
+# Minibatches by (run, node, partition index, data file). Only a shortcut: a step's batch
+# depends on (seed, step) alone, so a process that lacks them rebuilds them.
+_batch_streams: dict[tuple[int, int, int, str], StepBatches] = {}
 
 
 def _read_data_file(path: Path) -> Split:
@@ -230,7 +230,7 @@ def batch_for_step(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The node's minibatch at ``step``: the batch the in-process simulation draws for the
     site at that step, whichever process asks (a restarted step gets the same batch)."""
-    key = (context.run_id, context.node_id, partition_index)
+    key = (context.run_id, context.node_id, partition_index, str(context.node_config.get("data-path", "")))
     for stale in [k for k in _batch_streams if k[0] != context.run_id]:
         del _batch_streams[stale]  # a long-lived worker serves run after run
     if key not in _batch_streams:
