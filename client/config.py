@@ -40,10 +40,12 @@ class PartitionData(LoaderOptions):
 
 
 class FileData(LoaderOptions):
-    """Local data: a .npz (arrays ``inputs`` and ``targets``) or .pt (dict of tensors) file."""
+    """Local data: a .npz (arrays ``inputs`` and ``targets``), a .pt (dict of tensors) or a
+    .csv file (a header row; every column but ``target_column`` is a feature)."""
 
     source: Literal["file"] = "file"
     path: Path
+    target_column: str = Field("target", description="the label column of a .csv file")
     batch_seed: int = 0
 
 
@@ -55,6 +57,21 @@ class DatasetData(LoaderOptions):
     factory: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", description="'package.module:function'")
     options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the factory")
     batch_seed: int = 0
+
+
+class EvaluationData(StrictModel):
+    """Held-out data the site evaluates the global model on, every ``eval_every`` steps:
+    a file like the training data (``path``) or a seeded share of it (``fraction``)."""
+
+    path: Path | None = Field(None, description="held-out file, same formats as [data]")
+    fraction: float | None = Field(None, gt=0, lt=1, description="share of the training data held out instead")
+    seed: int = Field(0, description="which rows `fraction` holds out")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "EvaluationData":
+        if (self.path is None) == (self.fraction is None):
+            raise ValueError("set exactly one of evaluation.path (a held-out file) and evaluation.fraction (a share of [data])")
+        return self
 
 
 class ConnectConfig(StrictModel):
@@ -79,3 +96,5 @@ class SiteConfig(StrictModel):
         "bit-identically ('dadfl site' defaults to <site_id>-state next to the config file; unset: memory only). "
         "The states derive from the site's gradients: keep the folder as private as the data",
     )
+    evaluation: EvaluationData | None = Field(None, description="held-out data for federated evaluation; none: this site does not evaluate")
+    workload_path: list[Path] = Field(default_factory=list, description="folders searched for a workload module outside the project")

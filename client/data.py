@@ -3,7 +3,8 @@
 Three sources, one code path (``data.source`` in the site config):
 
 - ``partition``: the site's share of the workload's own training set (demos, simulations);
-- ``file``: a ``.npz`` (arrays ``inputs`` and ``targets``) or ``.pt`` (dict of tensors);
+- ``file``: a ``.npz`` (arrays ``inputs`` and ``targets``), ``.pt`` (dict of tensors) or
+  ``.csv`` (a header row, numeric columns, class labels in ``data.target_column``);
 - ``dataset``: the operator's own ``package.module:function`` called with ``data.options``,
   returning a map-style Dataset of ``(inputs, target)`` items. The factory is named by the
   site's own config, never by the coordinator, so it runs on the operator's authority.
@@ -11,6 +12,9 @@ Three sources, one code path (``data.source`` in the site config):
 Every source becomes a :class:`~dadfl.workloads.StepBatches`: a DataLoader (``num_workers``,
 pinned memory on CUDA) whose batch at step t depends only on (batch seed, t), so a
 replayed step after a restart or rejoin trains on the same samples.
+
+Held-out data for federated evaluation (``[evaluation]``) is a file of its own or a
+seeded share of the training Dataset, which training then never sees.
 """
 
 from __future__ import annotations
@@ -20,48 +24,86 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, IterableDataset
+from torch.utils.data import Dataset, IterableDataset, Subset
 
 from dadfl.workloads import Split, SplitDataset, StepBatches, Workload, partition
 
-from .config import DatasetData, FileData, SiteConfig
+from .config import DatasetData, EvaluationData, FileData, SiteConfig
 
 
 def site_dataset(config: SiteConfig, workload: Workload) -> tuple[Dataset, int]:
     """The site's training Dataset and the seed of its minibatch order."""
     data = config.data
     if isinstance(data, FileData):
-        return SplitDataset(read_data_file(data.path)), data.batch_seed
+        return SplitDataset(read_data_file(data.path, data.target_column)), data.batch_seed
     if isinstance(data, DatasetData):
         return dataset_from_factory(data), data.batch_seed
-    indices = partition(
-        data.num_sites, len(workload.train), data.scheme, labels=workload.labels, alpha=data.alpha, seed=data.seed
-    )
+    train = workload.training_data()
+    indices = partition(data.num_sites, len(train), data.scheme, labels=workload.labels, alpha=data.alpha, seed=data.seed)
     seed = data.batch_seed if data.batch_seed is not None else data.seed + data.site_index
-    return SplitDataset(workload.train, indices[data.site_index]), seed
+    return SplitDataset(train, indices[data.site_index]), seed
 
 
-def load_site_batches(config: SiteConfig, workload: Workload, batch_size: int, device: torch.device) -> StepBatches:
-    """The site's minibatch of any step (see the module doc)."""
+def load_site_batches(
+    config: SiteConfig, workload: Workload, batch_size: int, device: torch.device
+) -> tuple[StepBatches, Dataset | None]:
+    """The site's minibatch of any step (see the module doc) and its held-out Dataset
+    (None without ``[evaluation]``)."""
     dataset, seed = site_dataset(config, workload)
-    return StepBatches(
-        dataset, batch_size, seed, num_workers=config.data.num_workers, pin_memory=device.type == "cuda"
-    )
+    dataset, held_out = hold_out(dataset, config.evaluation, getattr(config.data, "target_column", "target"))
+    batches = StepBatches(dataset, batch_size, seed, num_workers=config.data.num_workers, pin_memory=device.type == "cuda")
+    return batches, held_out
 
 
-def read_data_file(path: Path) -> Split:
-    """``inputs``/``targets`` from a .npz (numpy arrays) or .pt (dict of tensors) file."""
+def hold_out(dataset: Dataset, evaluation: EvaluationData | None, target_column: str = "target") -> tuple[Dataset, Dataset | None]:
+    """Training and held-out Datasets: a held-out file, or a seeded share of ``dataset``."""
+    if evaluation is None:
+        return dataset, None
+    if evaluation.path is not None:
+        return dataset, SplitDataset(read_data_file(evaluation.path, target_column, field="evaluation.path"))
+    count = round(len(dataset) * evaluation.fraction)
+    if not 1 <= count < len(dataset):
+        raise ValueError(
+            f"evaluation.fraction {evaluation.fraction} of this site's {len(dataset)} samples leaves no held-out or no "
+            "training samples; change evaluation.fraction or use evaluation.path"
+        )
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(evaluation.seed))
+    return Subset(dataset, order[count:].sort().values.tolist()), Subset(dataset, order[:count].sort().values.tolist())
+
+
+def read_data_file(path: Path, target_column: str = "target", field: str = "data.path") -> Split:
+    """``inputs``/``targets`` from a .npz (numpy arrays), .pt (dict of tensors) or .csv file."""
     if path.suffix == ".npz":
         with np.load(path) as arrays:
             data = {k: torch.from_numpy(arrays[k]) for k in arrays.files}
     elif path.suffix == ".pt":
         data = torch.load(path, weights_only=True)
+    elif path.suffix == ".csv":
+        return read_csv(path, target_column, field)
     else:
-        raise ValueError(f"data.path {path}: use a .npz or .pt file holding 'inputs' and 'targets'")
+        raise ValueError(f"{field} {path}: use a .npz or .pt file holding 'inputs' and 'targets', or a .csv file")
     missing = {"inputs", "targets"} - set(data)
     if missing:
-        raise ValueError(f"data.path {path}: missing {', '.join(sorted(missing))} (found {', '.join(sorted(data)) or 'nothing'})")
+        raise ValueError(f"{field} {path}: missing {', '.join(sorted(missing))} (found {', '.join(sorted(data)) or 'nothing'})")
     return Split(data["inputs"], data["targets"])
+
+
+def read_csv(path: Path, target_column: str, field: str) -> Split:
+    """Features as float32, the ``target_column`` as int64 class labels."""
+    with open(path, newline="") as file:
+        header = file.readline().strip().split(",")
+    if target_column not in header:
+        raise ValueError(f"{field} {path}: no column {target_column!r} in the header ({len(header)} columns); set data.target_column")
+    try:
+        table = np.loadtxt(path, delimiter=",", skiprows=1, dtype=np.float64, ndmin=2)
+    except ValueError as exc:
+        raise ValueError(f"{field} {path}: every value after the header must be a number ({exc})") from None
+    target = header.index(target_column)
+    labels = table[:, target]
+    if not np.array_equal(labels, np.round(labels)):
+        raise ValueError(f"{field} {path}: column {target_column!r} must hold whole-number class labels")
+    features = np.delete(table, target, axis=1).astype(np.float32)
+    return Split(torch.from_numpy(features), torch.from_numpy(labels.astype(np.int64)))
 
 
 def dataset_from_factory(data: DatasetData) -> Dataset:

@@ -26,6 +26,7 @@ from typing import Iterator
 
 import grpc
 import torch
+from torch.utils.data import Dataset
 
 from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.protos import coordinator_pb2_grpc as cpb_grpc
@@ -85,6 +86,7 @@ class Run:
     codec: int
     states: HalfStates
     half_step: int | None = 0  # the step whose start the half holds; None in the middle of a step
+    held_out: Dataset | None = None  # evaluation data
 
     def prepare_half(self, begin: cpb.StepBegin) -> None:
         """Bring the strategy half to the start of ``begin.step``: reset, restore or keep."""
@@ -221,10 +223,21 @@ class Session:
         run.half_step = self.step.step + 1
         self.site.summary.fingerprint = fingerprint
         self.site.summary.steps += 1
-        self.send(step_done=cpb.StepDone(step=self.step.step, attempt=self.step.attempt, fingerprint=fingerprint))
+        self.send(step_done=cpb.StepDone(step=self.step.step, attempt=self.step.attempt, fingerprint=fingerprint, eval=self.evaluate()))
         if self.step.step % 10 == 0:
             log.info("step %d done (%s)", self.step.step, fingerprint[:12])
         self.step, self.messages = None, []
+
+    def evaluate(self) -> cpb.EvalReport | None:
+        """The updated global model on this site's held-out data, on evaluation steps."""
+        run, step = self.site.run, self.step.step
+        if run.held_out is None or not run.config.eval_every:
+            return None
+        if (step + 1) % run.config.eval_every and step + 1 != run.config.steps:
+            return None
+        scores = run.replica.evaluate(run.held_out)
+        log.info("step %d: held-out %s on %d samples", step, ", ".join(f"{k} {v:.4f}" for k, v in scores.items()), len(run.held_out))
+        return cpb.EvalReport(samples=len(run.held_out), metrics=scores)
 
 
 @dataclass
@@ -237,13 +250,13 @@ class Site:
         """Build the replica and data stream for the server's run (once per run id)."""
         if self.run is not None and self.run.config.run_id == config.run_id:
             return
-        workload = load_workload(config.workload, **json.loads(config.workload_options))
+        workload = load_workload(config.workload, self.config.workload_path, **json.loads(config.workload_options))
         strategy = make_strategy(config.strategy, **json.loads(config.strategy_options))
         optimizer = OptimizerConfig.model_validate(json.loads(config.optimizer))
         replica = Replica(workload, strategy, optimizer, resolve_device(self.config.device))
-        batches = load_site_batches(self.config, workload, config.batch_size, replica.device)
+        batches, held_out = load_site_batches(self.config, workload, config.batch_size, replica.device)
         states = HalfStates(self.config.state_dir, self.config.site_id, config.run_id, replica.device)
-        self.run = Run(config, replica, batches, codec_id(config.codec), states)
+        self.run = Run(config, replica, batches, codec_id(config.codec), states, held_out=held_out)
         log.info("site %s: run %s, %s with %s, %d steps", self.config.site_id, config.run_id, config.workload, config.strategy, config.steps)
 
     def connect_once(self, channel: grpc.Channel) -> bool:
@@ -282,6 +295,7 @@ def run_site(config: SiteConfig, insecure: bool = False) -> SiteSummary:
     """Take part in the server's run until it finishes; reconnect with backoff when dropped."""
     if config.threads:
         torch.set_num_threads(config.threads)
+    resolve_device(config.device)  # no CUDA for device = "cuda": say so before connecting
     site = Site(config)
     connect = config.connect
     failures, delay = 0, connect.backoff_initial_s

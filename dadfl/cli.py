@@ -17,6 +17,7 @@ from dadfl.server.processes import simulate_processes
 
 from .config import ConfigError, load_config, validate_config
 from .metrics import MetricsWriter
+from .replica import resolve_device
 from .report import human_bytes, write_plots
 from .simulation import SimulationConfig, StrategySpec, run_directory, simulate
 
@@ -24,8 +25,18 @@ app = typer.Typer(help="Federated learning that shares auto-differentiation fact
 console = Console()
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"dadfl {version('dadfl')}")
+        raise typer.Exit()
+
+
 @app.callback()
-def main() -> None:
+def main(
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True, help="print the version and exit"),
+) -> None:
     """dadfl: train one shared model across sites that never move their data."""
 
 
@@ -48,6 +59,7 @@ def sim(
     seed: Optional[int] = typer.Option(None, help="seed for data split, batches and model"),
     device: Optional[str] = typer.Option(None, help="auto, cpu or cuda"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads (default 1)"),
+    workload_path: list[Path] = typer.Option([], "--workload-path", help="folder holding a workload package that is not installed (repeatable)"),
     out: Path = typer.Option(Path("runs"), help="folder for run directories"),
     mode: str = typer.Option("inprocess", help="inprocess (one process), processes (a coordinator and N site processes over loopback gRPC) or flower (a Flower ServerApp/ClientApp simulation)"),
 ) -> None:
@@ -60,11 +72,14 @@ def sim(
             "partition": partition, "alpha": alpha, "seed": seed, "device": device, "threads": threads,
         }
         base.update({k: v for k, v in overrides.items() if v is not None})
+        if workload_path:
+            base["workload_path"] = [str(path) for path in workload_path]
         if lr is not None:
             base["optimizer"] = {**base["optimizer"], "lr": lr}
         if strategies is not None:
             base["strategies"] = [StrategySpec.parse(s).model_dump() for s in strategies.split(";") if s.strip()]
         settings = validate_config(base, SimulationConfig, source=str(config or "command line"))
+        resolve_device(settings.device)
     except (ConfigError, ValueError) as exc:
         fail(str(exc))
         return
@@ -110,9 +125,9 @@ def _applicable(settings: SimulationConfig, explicit: bool) -> list[StrategySpec
     from dadfl.strategies import make_strategy
     from dadfl.workloads import load_workload
 
-    from .replica import Replica, resolve_device
+    from .replica import Replica
 
-    workload = load_workload(settings.workload, **settings.workload_options)
+    workload = load_workload(settings.workload, settings.workload_path, **settings.workload_options)
     chosen = []
     for spec in settings.strategies:
         try:
@@ -128,7 +143,11 @@ def _applicable(settings: SimulationConfig, explicit: bool) -> list[StrategySpec
 
 def summary_table(summaries: list[dict]) -> Table:
     metric = summaries[0]["metric_name"] if summaries else "metric"
-    table = Table(title="bytes per step, all sites together")
+    steps = summaries[0]["steps"] if summaries else 0
+    table = Table(
+        title=f"After {steps} steps: {metric} and loss on the held-out test set; "
+        "payload bytes per step (all sites together) and milliseconds per step"
+    )
     for column in ("strategy", metric, "test loss", "up", "down", "ms/step"):
         if column == "strategy":
             table.add_column(column, overflow="fold")

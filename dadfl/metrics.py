@@ -45,6 +45,14 @@ def read_metrics(path: str | Path) -> Iterator[dict]:
                 yield json.loads(line)
 
 
+def human_bytes(value: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(value) < 1000 or unit == "GB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    return f"{value:.1f} GB"
+
+
 def last_value(records: Iterable[dict], key: str) -> float:
     value = math.nan
     for record in records:

@@ -1,9 +1,10 @@
 """One copy of the shared model: workload, optimizer and the strategy's halves around it.
 
 Every participant holds a replica — each site (with local data) and the coordinator
-(without). All of them build the model from the same seed and apply the same decoded
-update with the same optimizer, so their weights stay bit-identical; the weights
-fingerprint checks it after every step.
+(without). All of them start from the coordinator's weights (``load_weights_from``, or
+the state the coordinator sends) and apply the same decoded update with the same
+optimizer, so their weights stay bit-identical; the weights fingerprint checks it after
+every step.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from dataclasses import dataclass
 from typing import Literal, Sequence
 
 import torch
+from torch.utils.data import DataLoader, Dataset
 
 from dadfl.strategies import Layout, Payload, Strategy, apply_update, local_step, weights_fingerprint
 from dadfl.strategies.base import LocalResult
-from dadfl.workloads import Workload
+from dadfl.workloads import Split, Workload
 
 from .config import StrictModel
 
@@ -51,7 +53,7 @@ class Replica:
     def __post_init__(self) -> None:
         self.model = self.workload.build_model().to(self.device)
         self.optimizer = self.optimizer_config.build(self.model.parameters())
-        example = self.workload.train.inputs[:2].to(self.device)
+        example = self.workload.example().to(self.device)
         self.layout = Layout.from_model(self.model, example)
         self.half = self.strategy.site(self.layout, self.model)
 
@@ -79,17 +81,27 @@ class Replica:
         apply_update(self.model, self.optimizer, update)
         return weights_fingerprint(self.model)
 
+    def load_weights_from(self, other: "Replica") -> None:
+        """Start from ``other``'s weights and buffers (the coordinator's replica), so a
+        workload whose ``build_model`` is not seeded still gives identical replicas."""
+        self.model.load_state_dict(other.model.state_dict())
+
     @torch.no_grad()
-    def evaluate(self, batch_size: int = 512) -> dict[str, float]:
-        """Mean loss and metric on the workload's held-out split."""
+    def evaluate(self, data: Split | Dataset | None = None, batch_size: int = 512) -> dict[str, float]:
+        """Mean loss and metric on ``data``: a Split, or a map-style Dataset of ``(inputs,
+        target)`` items (a site's held-out data); by default the workload's test split."""
         self.model.eval()
-        split = self.workload.test
-        outputs, losses = [], []
-        for start in range(0, len(split), batch_size):
-            x = split.inputs[start : start + batch_size].to(self.device)
-            y = split.targets[start : start + batch_size].to(self.device)
+        data = self.workload.test if data is None else data
+        if isinstance(data, Split):
+            batches = ((data.inputs[i : i + batch_size], data.targets[i : i + batch_size]) for i in range(0, len(data), batch_size))
+        else:
+            batches = DataLoader(data, batch_size=batch_size)
+        outputs, targets, losses = [], [], []
+        for x, y in batches:
+            x, y = x.to(self.device), y.to(self.device)
             out = self.model(x)
             outputs.append(out)
+            targets.append(y)
             losses.append(self.workload.loss(out, y).reshape(len(y), -1).mean(dim=1))
-        out, y = torch.cat(outputs), split.targets.to(self.device)
+        out, y = torch.cat(outputs), torch.cat(targets)
         return {"loss": float(torch.cat(losses).mean()), self.workload.metric_name: float(self.workload.metric(out, y))}

@@ -65,6 +65,7 @@ def _parse_value(value: str) -> Any:
 class SimulationConfig(StrictModel):
     workload: str = "digits-mlp"
     workload_options: dict[str, Any] = Field(default_factory=dict)
+    workload_path: list[Path] = Field(default_factory=list, description="folders searched for a workload module outside the project")
     sites: int = Field(4, ge=1)
     partition: Literal["iid", "dirichlet", "quantity"] = "iid"
     alpha: float = Field(0.5, gt=0)
@@ -115,15 +116,19 @@ def simulate(
 
 def _simulate(config: SimulationConfig, spec: StrategySpec, metrics: MetricsWriter, progress: Progress | None) -> dict[str, Any]:
     device = resolve_device(config.device)
-    workload = load_workload(config.workload, **config.workload_options)
+    workload = load_workload(config.workload, config.workload_path, **config.workload_options)
     strategy = make_strategy(spec.name, **spec.options)
+    train = workload.training_data()
     indices = partition(
-        config.sites, len(workload.train), config.partition, labels=workload.labels, alpha=config.alpha, seed=config.seed
+        config.sites, len(train), config.partition, labels=workload.labels, alpha=config.alpha, seed=config.seed
     )
-    batches = [site_batches(workload.train, index, config.batch_size, seed=config.seed + s) for s, index in enumerate(indices)]
-    sites = [Replica(workload, strategy, config.optimizer, device) for _ in indices]
+    batches = [site_batches(train, index, config.batch_size, seed=config.seed + s) for s, index in enumerate(indices)]
     coordinator = Replica(workload, strategy, config.optimizer, device)
+    sites = [Replica(workload, strategy, config.optimizer, device) for _ in indices]
+    for site in sites:
+        site.load_weights_from(coordinator)
     server = strategy.server(coordinator.layout, coordinator.model)
+    has_test = workload.test is not None and len(workload.test) > 0
 
     summary: dict[str, Any] = {"strategy": spec.display, "steps": config.steps, "bytes_up": 0, "bytes_down": 0}
     seconds = 0.0
@@ -149,14 +154,14 @@ def _simulate(config: SimulationConfig, spec: StrategySpec, metrics: MetricsWrit
             "fingerprint": fingerprints.pop(),
             **strategy.describe(coordinator.layout, messages),
         }
-        if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
+        if has_test and ((step + 1) % config.eval_every == 0 or step + 1 == config.steps):
             record.update({f"test_{k}": v for k, v in coordinator.evaluate().items()})
         metrics.write(record)
         summary["bytes_up"] += record["bytes_up"]
         summary["bytes_down"] += record["bytes_down"]
         if progress:
             progress(step)
-    final = coordinator.evaluate()
+    final = coordinator.evaluate() if has_test else {"loss": float("nan"), workload.metric_name: float("nan")}
     summary.update(
         {
             "metric_name": workload.metric_name,

@@ -25,33 +25,39 @@ _sym_db = _symbol_database.Default()
 from . import tensor_pb2 as dadfl_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64\x61\x64\x66l/v1/coordinator.proto\x12\x08\x64\x61\x64\x66l.v1\x1a\x15\x64\x61\x64\x66l/v1/tensor.proto\"A\n\x05Hello\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\x12\x18\n\x10protocol_version\x18\x03 \x01(\r\"A\n\x05Ready\x12\x1a\n\x12layout_fingerprint\x18\x01 \x01(\t\x12\x1c\n\x14strategy_state_steps\x18\x02 \x03(\x04\">\n\x08StepDone\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\r\"0\n\x0bSyncRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\"\xda\x01\n\x0bSiteMessage\x12 \n\x05hello\x18\x01 \x01(\x0b\x32\x0f.dadfl.v1.HelloH\x00\x12 \n\x05ready\x18\x02 \x01(\x0b\x32\x0f.dadfl.v1.ReadyH\x00\x12\'\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x16.dadfl.v1.PayloadChunkH\x00\x12\'\n\tstep_done\x18\x04 \x01(\x0b\x32\x12.dadfl.v1.StepDoneH\x00\x12-\n\x0csync_request\x18\x05 \x01(\x0b\x32\x15.dadfl.v1.SyncRequestH\x00\x42\x06\n\x04kind\"\x84\x02\n\tRunConfig\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x10\n\x08workload\x18\x02 \x01(\t\x12\x18\n\x10workload_options\x18\x03 \x01(\t\x12\x10\n\x08strategy\x18\x04 \x01(\t\x12\x18\n\x10strategy_options\x18\x05 \x01(\t\x12\x11\n\toptimizer\x18\x06 \x01(\t\x12\x12\n\nbatch_size\x18\x07 \x01(\r\x12\r\n\x05steps\x18\x08 \x01(\x04\x12\r\n\x05\x63odec\x18\t \x01(\t\x12\x1a\n\x12layout_fingerprint\x18\n \x01(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x0b \x01(\x04\x12\x19\n\x11max_payload_bytes\x18\x0c \x01(\x04\"v\n\tStepBegin\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x1c\n\x14reset_strategy_state\x18\x03 \x01(\x08\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\r\x12\x17\n\x0f\x63heckpoint_step\x18\x05 \x01(\x04\")\n\tStepAbort\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1a\n\x08\x46inished\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xe5\x01\n\rServerMessage\x12%\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x13.dadfl.v1.RunConfigH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.dadfl.v1.PayloadChunkH\x00\x12)\n\nstep_begin\x18\x03 \x01(\x0b\x32\x13.dadfl.v1.StepBeginH\x00\x12)\n\nstep_abort\x18\x04 \x01(\x0b\x32\x13.dadfl.v1.StepAbortH\x00\x12&\n\x08\x66inished\x18\x05 \x01(\x0b\x32\x12.dadfl.v1.FinishedH\x00\x42\x06\n\x04kind2I\n\x0b\x43oordinator\x12:\n\x04Join\x12\x15.dadfl.v1.SiteMessage\x1a\x17.dadfl.v1.ServerMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64\x61\x64\x66l/v1/coordinator.proto\x12\x08\x64\x61\x64\x66l.v1\x1a\x15\x64\x61\x64\x66l/v1/tensor.proto\"A\n\x05Hello\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\x12\x18\n\x10protocol_version\x18\x03 \x01(\r\"A\n\x05Ready\x12\x1a\n\x12layout_fingerprint\x18\x01 \x01(\t\x12\x1c\n\x14strategy_state_steps\x18\x02 \x03(\x04\"\x81\x01\n\nEvalReport\x12\x0f\n\x07samples\x18\x01 \x01(\x04\x12\x32\n\x07metrics\x18\x02 \x03(\x0b\x32!.dadfl.v1.EvalReport.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"b\n\x08StepDone\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\r\x12\"\n\x04\x65val\x18\x04 \x01(\x0b\x32\x14.dadfl.v1.EvalReport\"0\n\x0bSyncRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\"\xda\x01\n\x0bSiteMessage\x12 \n\x05hello\x18\x01 \x01(\x0b\x32\x0f.dadfl.v1.HelloH\x00\x12 \n\x05ready\x18\x02 \x01(\x0b\x32\x0f.dadfl.v1.ReadyH\x00\x12\'\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x16.dadfl.v1.PayloadChunkH\x00\x12\'\n\tstep_done\x18\x04 \x01(\x0b\x32\x12.dadfl.v1.StepDoneH\x00\x12-\n\x0csync_request\x18\x05 \x01(\x0b\x32\x15.dadfl.v1.SyncRequestH\x00\x42\x06\n\x04kind\"\x98\x02\n\tRunConfig\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x10\n\x08workload\x18\x02 \x01(\t\x12\x18\n\x10workload_options\x18\x03 \x01(\t\x12\x10\n\x08strategy\x18\x04 \x01(\t\x12\x18\n\x10strategy_options\x18\x05 \x01(\t\x12\x11\n\toptimizer\x18\x06 \x01(\t\x12\x12\n\nbatch_size\x18\x07 \x01(\r\x12\r\n\x05steps\x18\x08 \x01(\x04\x12\r\n\x05\x63odec\x18\t \x01(\t\x12\x1a\n\x12layout_fingerprint\x18\n \x01(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x0b \x01(\x04\x12\x19\n\x11max_payload_bytes\x18\x0c \x01(\x04\x12\x12\n\neval_every\x18\r \x01(\r\"v\n\tStepBegin\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x1c\n\x14reset_strategy_state\x18\x03 \x01(\x08\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\r\x12\x17\n\x0f\x63heckpoint_step\x18\x05 \x01(\x04\")\n\tStepAbort\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1a\n\x08\x46inished\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xe5\x01\n\rServerMessage\x12%\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x13.dadfl.v1.RunConfigH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.dadfl.v1.PayloadChunkH\x00\x12)\n\nstep_begin\x18\x03 \x01(\x0b\x32\x13.dadfl.v1.StepBeginH\x00\x12)\n\nstep_abort\x18\x04 \x01(\x0b\x32\x13.dadfl.v1.StepAbortH\x00\x12&\n\x08\x66inished\x18\x05 \x01(\x0b\x32\x12.dadfl.v1.FinishedH\x00\x42\x06\n\x04kind2I\n\x0b\x43oordinator\x12:\n\x04Join\x12\x15.dadfl.v1.SiteMessage\x1a\x17.dadfl.v1.ServerMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dadfl.v1.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_EVALREPORT_METRICSENTRY']._loaded_options = None
+  _globals['_EVALREPORT_METRICSENTRY']._serialized_options = b'8\001'
   _globals['_HELLO']._serialized_start=63
   _globals['_HELLO']._serialized_end=128
   _globals['_READY']._serialized_start=130
   _globals['_READY']._serialized_end=195
-  _globals['_STEPDONE']._serialized_start=197
-  _globals['_STEPDONE']._serialized_end=259
-  _globals['_SYNCREQUEST']._serialized_start=261
-  _globals['_SYNCREQUEST']._serialized_end=309
-  _globals['_SITEMESSAGE']._serialized_start=312
-  _globals['_SITEMESSAGE']._serialized_end=530
-  _globals['_RUNCONFIG']._serialized_start=533
-  _globals['_RUNCONFIG']._serialized_end=793
-  _globals['_STEPBEGIN']._serialized_start=795
-  _globals['_STEPBEGIN']._serialized_end=913
-  _globals['_STEPABORT']._serialized_start=915
-  _globals['_STEPABORT']._serialized_end=956
-  _globals['_FINISHED']._serialized_start=958
-  _globals['_FINISHED']._serialized_end=984
-  _globals['_SERVERMESSAGE']._serialized_start=987
-  _globals['_SERVERMESSAGE']._serialized_end=1216
-  _globals['_COORDINATOR']._serialized_start=1218
-  _globals['_COORDINATOR']._serialized_end=1291
+  _globals['_EVALREPORT']._serialized_start=198
+  _globals['_EVALREPORT']._serialized_end=327
+  _globals['_EVALREPORT_METRICSENTRY']._serialized_start=281
+  _globals['_EVALREPORT_METRICSENTRY']._serialized_end=327
+  _globals['_STEPDONE']._serialized_start=329
+  _globals['_STEPDONE']._serialized_end=427
+  _globals['_SYNCREQUEST']._serialized_start=429
+  _globals['_SYNCREQUEST']._serialized_end=477
+  _globals['_SITEMESSAGE']._serialized_start=480
+  _globals['_SITEMESSAGE']._serialized_end=698
+  _globals['_RUNCONFIG']._serialized_start=701
+  _globals['_RUNCONFIG']._serialized_end=981
+  _globals['_STEPBEGIN']._serialized_start=983
+  _globals['_STEPBEGIN']._serialized_end=1101
+  _globals['_STEPABORT']._serialized_start=1103
+  _globals['_STEPABORT']._serialized_end=1144
+  _globals['_FINISHED']._serialized_start=1146
+  _globals['_FINISHED']._serialized_end=1172
+  _globals['_SERVERMESSAGE']._serialized_start=1175
+  _globals['_SERVERMESSAGE']._serialized_end=1404
+  _globals['_COORDINATOR']._serialized_start=1406
+  _globals['_COORDINATOR']._serialized_end=1479
 # @@protoc_insertion_point(module_scope)

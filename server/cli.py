@@ -5,7 +5,7 @@ Plain functions with typer annotations; ``dadfl/cli.py`` registers them on the `
 
 from __future__ import annotations
 
-import logging
+import json
 from pathlib import Path
 from typing import Optional
 
@@ -17,16 +17,13 @@ from .certs import make_dev_certs
 from .config import ServerConfig
 from .coordinator import RunStopped
 from .enrol import enroll as issue_token
+from .progress import setup_logging
 from .runtime import run_server
 
 
 def _fail(message: str, code: int = 2) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)
-
-
-def setup_logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
 def server(
@@ -57,6 +54,10 @@ def enroll(
     demo_share: Optional[str] = typer.Option(
         None, help="INDEX/COUNT: the site trains on share INDEX of COUNT of the built-in workload's data (demos) instead of its own file"
     ),
+    data: Optional[Path] = typer.Option(None, help="the site's data file (.npz, .pt or .csv) as its machine sees it (default data/SITE_ID.npz)"),
+    workload_path: list[Path] = typer.Option(
+        [], "--workload-path", help="folder on the site's machine that holds a workload package not installed there (repeatable)"
+    ),
 ) -> None:
     """Issue a token for a site, store only its hash, print the site's config."""
     try:
@@ -65,7 +66,7 @@ def enroll(
         token = issue_token(settings.listen.tokens, site_id, replace=replace)
     except (ConfigError, ValueError) as exc:
         _fail(str(exc))
-    text = site_config_text(site_id, token, address or settings.listen.address, ca_cert, share)
+    text = site_config_text(site_id, token, address or settings.listen.address, ca_cert, share, data, workload_path)
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)
@@ -86,7 +87,10 @@ def parse_share(text: str) -> tuple[int, int]:
     return share
 
 
-def site_config_text(site_id: str, token: str, address: str, ca_cert: Path, share: tuple[int, int] | None = None) -> str:
+def site_config_text(
+    site_id: str, token: str, address: str, ca_cert: Path, share: tuple[int, int] | None = None,
+    data_path: Path | None = None, workload_path: list[Path] = (),
+) -> str:
     if share:
         data = f"""\
 [data]
@@ -100,9 +104,10 @@ seed = 0
     else:
         data = f"""\
 [data]
-# This site's own data: a .npz with arrays 'inputs' and 'targets' (or a .pt dict of tensors).
+# This site's own data: a .npz with arrays 'inputs' and 'targets', a .pt dict of tensors,
+# or a .csv with a header row and a 'target' column (see docs/workloads.md).
 source = "file"
-path = "data/{site_id}.npz"
+path = "{data_path or f'data/{site_id}.npz'}"
 """
     return f"""\
 # Site config of {site_id!r}, issued by `dadfl enroll`. The token is shown only once:
@@ -110,13 +115,20 @@ path = "data/{site_id}.npz"
 site_id = "{site_id}"
 token = "{token}"
 device = "auto"   # CUDA when present, else CPU
-threads = 0       # torch CPU threads; 0 keeps torch's default
+threads = 1       # torch CPU threads: 1 suits small models and machines shared by several processes;
+                  # raise it on a machine of its own with a large model on CPU
+workload_path = {json.dumps([str(p) for p in workload_path])}  # folders holding a workload package that is not installed
 
 [connect]
 server = "{address}"
 ca_cert = "{ca_cert}"
 
-{data}"""
+{data}
+[evaluation]
+# Held-out data the site evaluates the global model on (every eval_every steps):
+# fraction = 0.2 holds out a fifth of [data], or path = "data/{site_id}-test.npz".
+fraction = 0.2
+"""
 
 
 def certs(

@@ -23,8 +23,21 @@ class ListenConfig(StrictModel):
 
 
 class WorkloadConfig(StrictModel):
+    """What every replica builds. ``options`` go to the factory everywhere (sent to the
+    sites: model options only); ``coordinator_options`` go to it only on the coordinator
+    (e.g. the path of a coordinator-side test file), never to the sites."""
+
     spec: str = Field("digits-mlp", description="built-in name or 'package.module:factory'")
-    options: dict = Field(default_factory=dict)
+    options: dict = Field(default_factory=dict, description="factory options sent to every site (model options)")
+    coordinator_options: dict = Field(default_factory=dict, description="factory options used only here, never sent")
+    path: list[Path] = Field(default_factory=list, description="folders searched for a workload module outside the project")
+
+    @model_validator(mode="after")
+    def _options_disjoint(self) -> "WorkloadConfig":
+        both = sorted(set(self.options) & set(self.coordinator_options))
+        if both:
+            raise ValueError(f"{', '.join(both)} set in both workload.options and workload.coordinator_options; keep each option in one")
+        return self
 
 
 class StrategyConfig(StrictModel):
@@ -37,6 +50,8 @@ class TrainingConfig(StrictModel):
     steps: int = Field(100, ge=1)
     batch_size: int = Field(32, ge=1)
     eval_every: int = Field(10, ge=1, description="steps between held-out evaluations (and always after the last)")
+    tensorboard: bool = Field(False, description="also write TensorBoard event files into run_dir/tensorboard (pip install 'dadfl[tensorboard]')")
+    progress_every_s: float = Field(5.0, ge=0, description="at most one progress log line per this many seconds (evaluation steps always log)")
     checkpoint_every: int = Field(10, ge=0, description="steps between checkpoints; 0 = only at the end")
 
 
@@ -58,6 +73,7 @@ class FederationConfig(StrictModel):
         3, ge=1, description="refused uploads after which a site is quarantined for the run (run_dir/quarantine.json; "
         "the operator re-admits it by deleting its entry)"
     )
+    max_eval_samples: int = Field(10_000_000, ge=1, description="largest held-out sample count a site may report")
 
     @model_validator(mode="after")
     def _initial_at_least_quorum(self) -> "FederationConfig":

@@ -12,6 +12,11 @@ drives the strategy's server half over the sites that are connected, in site-id 
 3. once every participant has reported ``step_done`` (it has applied the update and
    saved its strategy state) the step is committed: the server applies the same update,
    logs metrics, evaluates and checkpoints on schedule.
+   On evaluation steps each site's ``step_done`` carries its evaluation of the updated
+   model on its own held-out data (checked and combined in ``evaluation.py``); a
+   coordinator-side test set (the workload's ``test`` split) is optional.
+
+At the end the run folder gets ``summary.json`` and the plots ``dadfl sim`` writes.
 
 Dropouts: a site lost during phase 0 is left out and the step completes with the rest
 (the server half divides by the samples that arrived) if the quorum holds. A site lost
@@ -55,7 +60,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from dadfl.metrics import MetricsWriter
+from dadfl.metrics import MetricsWriter, read_metrics
 from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.protos import coordinator_pb2_grpc as cpb_grpc
 from dadfl.protos import tensor_pb2 as pb
@@ -69,7 +74,9 @@ from dadfl.workloads import load_workload
 from . import checkpoint
 from .config import ServerConfig
 from .enrol import EnrolmentError, verify
+from .evaluation import EvalRejected, SiteEval, check_report, combine
 from .links import FINISH, Close, Closed, Done, SiteLink, SyncRequest, Upload
+from .progress import OperatorView
 from .quarantine import Quarantine
 from .validate import PayloadError, check_protocol
 
@@ -111,12 +118,14 @@ class StepResult:
     phase_seconds: list[float]
     site_fingerprints: dict[str, str]
     fingerprint: str  # the server's weights after applying the step
+    site_evals: dict  # site id -> its EvalReport (unchecked), on evaluation steps
 
 
 class Coordinator(cpb_grpc.CoordinatorServicer):
     def __init__(self, config: ServerConfig):
         self.config = config
-        workload = load_workload(config.workload.spec, **config.workload.options)
+        workload = load_workload(config.workload.spec, config.workload.path, **config.workload.options, **config.workload.coordinator_options)
+        self.eval_metrics = ("loss", workload.metric_name)
         self.strategy = make_strategy(config.strategy.name, **config.strategy.options)
         self.label = strategy_label(config.strategy.name, config.strategy.options, config.strategy.label)
         self.replica = Replica(workload, self.strategy, config.optimizer)
@@ -163,6 +172,10 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             except (KeyError, ValueError) as exc:
                 self.reset_reason = f"the checkpoint's strategy state does not load ({exc})"
         self.half_at_step_start = self.server_half.state_dict()  # restored after an aborted attempt
+        self.view = OperatorView(  # made here: a missing TensorBoard stops the server before it listens
+            config.training.steps, self.step, workload.metric_name, config.training.progress_every_s,
+            self.run_dir, config.training.tensorboard,
+        )
 
     # ------------------------------------------------------------------ the site streams
 
@@ -181,6 +194,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             layout_fingerprint=self.layout.fingerprint(),
             chunk_bytes=c.wire.chunk_bytes,
             max_payload_bytes=c.wire.max_payload_bytes,
+            eval_every=c.training.eval_every,
         )
 
     async def Join(self, request_iterator, context):
@@ -282,7 +296,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                         link.deliver(Upload(assembled))
                 elif kind == "step_done":
                     done = message.step_done
-                    link.deliver(Done(done.step, done.attempt, done.fingerprint))
+                    link.deliver(Done(done.step, done.attempt, done.fingerprint, done.eval if done.HasField("eval") else None))
                 elif kind == "sync_request":
                     link.deliver(SyncRequest(message.sync_request.step, message.sync_request.fingerprint))
                 else:
@@ -312,7 +326,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         """Train until ``training.steps``; checkpoint and write the final model."""
         steps = self.config.training.steps
         first = True
-        with MetricsWriter(self.run_dir / "metrics.jsonl") as metrics:
+        with MetricsWriter(self.run_dir / "metrics.jsonl") as metrics, self.view:
             while self.step < steps:
                 attempt, failures = 0, 0
                 while True:
@@ -331,7 +345,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                         if failures >= MAX_ATTEMPTS_PER_STEP:
                             raise RunStopped(f"step {self.step} failed {failures} times in a row; see the log above")
                 first = False
-                await self._finish_step(result, attempt, started, metrics)
+                self.view.step(await self._finish_step(result, attempt, started, metrics))
         self.finished = True
         checkpoint.save_final_model(self.run_dir, self.replica)
         for link in list(self.links.values()):
@@ -341,6 +355,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             link.outbox.put_nowait(FINISH)
             self.told_finished.add(link.site_id)
         log.info("run %s finished: %d steps, model in %s", self.run_id, steps, self.run_dir / checkpoint.FINAL_MODEL)
+        await asyncio.to_thread(self._write_report)  # the sites already know the run is over
         await self._linger()
 
     async def _linger(self) -> None:
@@ -401,6 +416,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             uploads = [(link, e.payload) for link, e in events.items() if isinstance(e, Upload)]
             lost = [link.site_id for link, e in events.items() if e is None]
             dones = {link.site_id: e.fingerprint for link, e in events.items() if isinstance(e, Done)}
+            site_evals = {link.site_id: e.eval for link, e in events.items() if isinstance(e, Done) and e.eval is not None}
             if dones:
                 for link, _ in uploads:
                     link.close(grpc.StatusCode.INVALID_ARGUMENT, f"site {link.site_id} sent a phase {phase} payload after the last phase of step {step}")
@@ -410,7 +426,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                     missing = sorted({link.site_id for link in active} - set(dones))
                     return self._abort(active, step, attempt, f"{', '.join(missing)} left before reporting step {step} done")
                 fingerprint = await self._off_loop(sum(m.nbytes() for m in messages), self.replica.apply_update, update)
-                return StepResult(active, messages, samples, loss_sum, bytes_up, bytes_down, phase_seconds, dones, fingerprint)
+                return StepResult(active, messages, samples, loss_sum, bytes_up, bytes_down, phase_seconds, dones, fingerprint, site_evals)
             if lost and phase > 0:
                 return self._abort(active, step, attempt, f"{', '.join(lost)} left after phase 0, which already counted them")
             if len(uploads) < min_sites:
@@ -632,7 +648,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             link.state_steps = frozenset({self.step})
         return True
 
-    async def _finish_step(self, result: StepResult, attempt: int, started: float, metrics: MetricsWriter) -> None:
+    async def _finish_step(self, result: StepResult, attempt: int, started: float, metrics: MetricsWriter) -> dict:
         step, steps = self.step, self.config.training.steps
         self.fingerprint = result.fingerprint
         seconds = time.perf_counter() - started  # as the in-process simulation: evaluation excluded
@@ -668,10 +684,14 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             "fingerprint_mismatches": mismatched,
             **self.strategy.describe(self.layout, result.messages),
         }
-        eval_every = self.config.training.eval_every
-        if len(self.replica.workload.test) and ((step + 1) % eval_every == 0 or step + 1 == steps):
-            scores = await asyncio.to_thread(self.replica.evaluate)
-            record.update({f"test_{k}": v for k, v in scores.items()})
+        if is_eval_step(step, self.config.training.eval_every, steps):
+            evals = self._checked_evals(result.site_evals)
+            if evals:
+                record.update(combine(evals))
+            test = self.replica.workload.test
+            if test is not None and len(test):
+                scores = await asyncio.to_thread(self.replica.evaluate)
+                record.update({f"test_{k}": v for k, v in scores.items()})
         metrics.write(record)
         every = self.config.training.checkpoint_every
         if (every and (step + 1) % every == 0) or step + 1 == steps:
@@ -680,3 +700,44 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                 self.half_at_step_start,
             )
             self.checkpoint_step = self.step
+        return record
+
+    def _checked_evals(self, reports: dict) -> dict[str, SiteEval]:
+        """The sites' evaluation reports that pass the checks; the others are logged and left out."""
+        evals = {}
+        for site, report in reports.items():
+            try:
+                evals[site] = check_report(report, self.eval_metrics, self.config.federation.max_eval_samples)
+            except EvalRejected as exc:
+                log.warning("step %d: evaluation report of site %s left out: %s", self.step - 1, site, exc)
+        return evals
+
+    def _write_report(self) -> None:
+        """``summary.json`` and the plots of ``dadfl sim``, from this run's metrics."""
+        from dadfl.report import write_plots  # matplotlib: imported only when there is a run to plot
+        records = list(read_metrics(self.run_dir / "metrics.jsonl"))
+        if not records:
+            return
+        metric = self.replica.workload.metric_name
+        last_eval = next((r for r in reversed(records) if f"eval_{metric}" in r or f"test_{metric}" in r), {})
+        steps = len(records)
+        summary = {
+            "strategy": self.label,
+            "steps": steps,
+            "metric_name": metric,
+            "eval_metric": last_eval.get(f"eval_{metric}", float("nan")),
+            "eval_loss": last_eval.get("eval_loss", float("nan")),
+            "eval_samples": last_eval.get("eval_samples", 0),
+            "metric": last_eval.get(f"test_{metric}", float("nan")),
+            "test_loss": last_eval.get("test_loss", float("nan")),
+            "bytes_up_per_step": sum(r["bytes_up"] for r in records) / steps,
+            "bytes_down_per_step": sum(r["bytes_down"] for r in records) / steps,
+            "seconds_per_step": sum(r["seconds"] for r in records) / steps,
+        }
+        (self.run_dir / "summary.json").write_text(json.dumps([summary], indent=2))
+        write_plots(self.run_dir)
+
+
+def is_eval_step(step: int, eval_every: int, steps: int) -> bool:
+    """Held-out evaluation after steps t with (t + 1) % eval_every == 0, and after the last."""
+    return (step + 1) % eval_every == 0 or step + 1 == steps

@@ -29,6 +29,7 @@ class Done:
     step: int
     attempt: int
     fingerprint: str
+    eval: object = None  # the site's EvalReport (unchecked), when it sent one
 
 
 @dataclass(frozen=True)

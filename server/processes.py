@@ -60,7 +60,7 @@ def simulation_configs(config: SimulationConfig, spec: StrategySpec, folder: Pat
             "run_dir": str(folder / "run"),
             "threads": config.threads,
             "listen": {"address": address, "tokens": str(folder / "tokens.json")},
-            "workload": {"spec": config.workload, "options": config.workload_options},
+            "workload": {"spec": config.workload, "options": config.workload_options, "path": [str(p.resolve()) for p in config.workload_path]},
             "strategy": {"name": spec.name, "options": spec.options, "label": spec.display},
             "optimizer": config.optimizer.model_dump(),
             "training": {"steps": config.steps, "batch_size": config.batch_size, "eval_every": config.eval_every, "checkpoint_every": 0},
@@ -78,6 +78,7 @@ def simulation_configs(config: SimulationConfig, spec: StrategySpec, folder: Pat
                     "token": enroll(folder / "tokens.json", site_id),
                     "device": config.device,
                     "threads": config.threads,
+                    "workload_path": [str(p.resolve()) for p in config.workload_path],
                     # sites start with the coordinator and retry until it listens
                     "connect": {"server": address, "backoff_initial_s": 0.2, "backoff_max_s": 1.0, "max_attempts": 100},
                     "data": {

@@ -115,7 +115,7 @@ class SiteThread:
 
 
 def write_toml(path: Path, data: dict) -> Path:
-    """A minimal TOML writer for the test configs (tables of scalars, strings, inline tables)."""
+    """A minimal TOML writer for the test configs (tables of scalars, strings, lists, inline tables)."""
 
     def value(v) -> str:
         if isinstance(v, bool):
@@ -124,6 +124,8 @@ def write_toml(path: Path, data: dict) -> Path:
             return repr(v)
         if isinstance(v, dict):
             return "{" + ", ".join(f"{k} = {value(x)}" for k, x in v.items()) + "}"
+        if isinstance(v, list):
+            return "[" + ", ".join(value(x) for x in v) + "]"
         return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
     def present(table: dict) -> dict:  # TOML has no null: leave unset fields out

@@ -74,7 +74,17 @@ def test_compose_file_has_a_coordinator_and_four_sites():
     assert "coordinator" in services
     assert sorted(name for name in services if name.startswith("site-")) == ["site-1", "site-2", "site-3", "site-4"]
     for name in order(services):
-        assert (ROOT / "Dockerfile").exists() and services[name]["build"] == "."
+        assert (ROOT / "Dockerfile").exists() and services[name]["build"]["context"] == "."
+
+
+def test_images_choose_base_and_torch_build_and_the_port_stays_local():
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert dockerfile.index("ARG BASE_IMAGE") < dockerfile.index("FROM ${BASE_IMAGE}")
+    assert 'pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"' in dockerfile
+    services = COMPOSE["services"]
+    assert set(services["coordinator"]["build"]["args"]) == {"BASE_IMAGE", "TORCH_INDEX_URL"}
+    published = [port for service in services.values() for port in service.get("ports", [])]
+    assert published and all(port.startswith("127.0.0.1:") for port in published)
 
 
 def test_every_compose_service_runs_as_a_process_and_the_federation_trains(tmp_path):

@@ -1,16 +1,26 @@
-"""The workload contract: a model, its data, its loss and its metric.
+"""The workload contract: a model, its loss and its metric (and, optionally, data).
 
 Workloads are plugged in by import path (``"package.module:factory"``); a factory takes
-keyword options and returns a :class:`Workload`. Everything a site or the coordinator
-needs to train and evaluate one shared model comes from here.
+keyword options and returns a :class:`Workload`. What the coordinator names and every
+site builds is the model, the per-sample loss and the metric; sites train and evaluate
+on their own data, so a workload used in a federation needs no data at all. Training
+and test splits serve the simulations and an optional coordinator-side test set.
+
+A workload module outside this project is found after ``pip install -e`` of its own
+package, or through ``search_path`` (folders searched for the module's top-level
+package, as ``--workload-path`` and the configs' workload path set it).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+import importlib.util
 import inspect
+import sys
 from dataclasses import dataclass, field
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -37,27 +47,52 @@ class Split:
         return Split(self.inputs[index], self.targets[index])
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Workload:
-    """Model factory + data + per-sample loss + metric.
+    """Model factory + per-sample loss + metric, and optionally data.
 
     ``loss(outputs, targets)`` returns one loss per sample (shape ``(n,)``); the global
     objective is the mean over the union of the sites' batches. ``metric(outputs,
     targets)`` returns a float where higher is better unless ``metric_higher_is_better``
-    is false. ``labels`` (optional) gives one class label per training sample, used by
-    label-skew partitioning.
+    is false. ``example_input`` is a small batch (shape and dtype of the model's input;
+    values do not matter) from which every replica derives the same model layout;
+    without it the first two training rows serve. ``build_model`` needs no seed: every
+    replica starts from the coordinator's weights. ``train`` and ``test`` are optional
+    (simulations need ``train``; ``test`` is the coordinator-side test set). ``labels``
+    (optional) gives one class label per training sample, used by label-skew partitioning.
     """
 
     name: str
     build_model: Callable[[], nn.Module]
-    train: Split
-    test: Split
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     metric: Callable[[torch.Tensor, torch.Tensor], float]
     metric_name: str = "accuracy"
     metric_higher_is_better: bool = True
+    example_input: torch.Tensor | None = None
+    train: Split | None = None
+    test: Split | None = None
     labels: torch.Tensor | None = None
     options: dict = field(default_factory=dict)
+
+    def example(self) -> torch.Tensor:
+        """The batch every replica builds its layout from (identical everywhere)."""
+        if self.example_input is not None:
+            return self.example_input
+        if self.train is not None and len(self.train):
+            return self.train.inputs[:2]
+        raise ValueError(
+            f"workload {self.name!r} has neither example_input nor training data: set "
+            "Workload(example_input=...) to a small batch shaped like the model's input"
+        )
+
+    def training_data(self) -> Split:
+        """The training split, for simulations and demo partitions."""
+        if self.train is None or not len(self.train):
+            raise ValueError(
+                f"workload {self.name!r} has no training data: simulations and demo shares need "
+                "Workload(train=...); federation sites use their own data (site config [data])"
+            )
+        return self.train
 
 
 BUILTIN = {
@@ -69,8 +104,27 @@ BUILTIN = {
 }
 
 
-def load_workload(spec: str, **options) -> Workload:
-    """Build a workload from a built-in name (``digits-mlp``) or ``"module:factory"``."""
+def import_module(module_name: str, search_path: Sequence[Path | str] = ()):
+    """Import ``module_name``; its top-level package is looked up in ``search_path``
+    first (without touching ``sys.path``), then where Python finds installed packages."""
+    top = module_name.split(".", 1)[0]
+    if search_path and top not in sys.modules:
+        folders = [str(Path(folder).resolve()) for folder in search_path]
+        spec = importlib.machinery.PathFinder.find_spec(top, folders)
+        if spec is not None and spec.loader is not None:
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[top] = module
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[top]
+                raise
+    return importlib.import_module(module_name)
+
+
+def load_workload(spec: str, search_path: Sequence[Path | str] = (), **options) -> Workload:
+    """Build a workload from a built-in name (``digits-mlp``) or ``"module:factory"``,
+    looking for the module in ``search_path`` first."""
     path = BUILTIN.get(spec, spec)
     if ":" not in path:
         raise ValueError(
@@ -79,9 +133,14 @@ def load_workload(spec: str, **options) -> Workload:
         )
     module_name, factory_name = path.split(":", 1)
     try:
-        module = importlib.import_module(module_name)
+        module = import_module(module_name, search_path)
     except ImportError as exc:
-        raise ValueError(f"workload {spec!r}: cannot import module {module_name!r} ({exc})") from exc
+        where = ", ".join(map(str, search_path)) if search_path else "the installed packages"
+        raise ValueError(
+            f"workload {spec!r}: cannot import module {module_name!r} from {where} ({exc}); install the "
+            "package that holds it (pip install -e PATH) or name its parent folder as the workload path "
+            "(--workload-path, or workload path in the config)"
+        ) from exc
     factory = getattr(module, factory_name, None)
     if factory is None:
         raise ValueError(f"workload {spec!r}: module {module_name!r} has no attribute {factory_name!r}")
