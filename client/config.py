@@ -97,4 +97,4 @@ class SiteConfig(StrictModel):
         "The states derive from the site's gradients: keep the folder as private as the data",
     )
     evaluation: EvaluationData | None = Field(None, description="held-out data for federated evaluation; none: this site does not evaluate")
-    workload_path: list[Path] = Field(default_factory=list, description="folders searched for a workload module outside the project")
+    workload_path: list[Path] = Field(default_factory=list, description="folders searched for the site's own code that is not installed: workload modules, data.factory")

@@ -19,14 +19,15 @@ seeded share of the training Dataset, which training then never sees.
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, Subset
 
 from dadfl.workloads import Split, SplitDataset, StepBatches, Workload, partition
+from dadfl.workloads.base import import_module
 
 from .config import DatasetData, EvaluationData, FileData, SiteConfig
 
@@ -37,7 +38,7 @@ def site_dataset(config: SiteConfig, workload: Workload) -> tuple[Dataset, int]:
     if isinstance(data, FileData):
         return SplitDataset(read_data_file(data.path, data.target_column)), data.batch_seed
     if isinstance(data, DatasetData):
-        return dataset_from_factory(data), data.batch_seed
+        return dataset_from_factory(data, config.workload_path), data.batch_seed
     train = workload.training_data()
     indices = partition(data.num_sites, len(train), data.scheme, labels=workload.labels, alpha=data.alpha, seed=data.seed)
     seed = data.batch_seed if data.batch_seed is not None else data.seed + data.site_index
@@ -106,15 +107,17 @@ def read_csv(path: Path, target_column: str, field: str) -> Split:
     return Split(torch.from_numpy(features), torch.from_numpy(labels.astype(np.int64)))
 
 
-def dataset_from_factory(data: DatasetData) -> Dataset:
-    """Call the configured ``package.module:function`` and check it returned a usable Dataset."""
+def dataset_from_factory(data: DatasetData, search_path: Sequence[Path] = ()) -> Dataset:
+    """Call the configured ``package.module:function`` (looked up in the site's
+    ``workload_path`` first) and check it returned a usable Dataset."""
     module_name, function_name = data.factory.split(":", 1)
     try:
-        module = importlib.import_module(module_name)
+        module = import_module(module_name, search_path)
     except ImportError as exc:
         raise ValueError(
             f"data.factory {data.factory!r}: cannot import {module_name!r} ({exc}); install the package "
-            "that provides it in the site's environment (pip install -e <your package>)"
+            "that provides it in the site's environment (pip install -e <your package>) or name its "
+            "parent folder in workload_path"
         ) from None
     function = getattr(module, function_name, None)
     if not callable(function):

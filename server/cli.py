@@ -55,6 +55,10 @@ def enroll(
         None, help="INDEX/COUNT: the site trains on share INDEX of COUNT of the built-in workload's data (demos) instead of its own file"
     ),
     data: Optional[Path] = typer.Option(None, help="the site's data file (.npz, .pt or .csv) as its machine sees it (default data/SITE_ID.npz)"),
+    data_factory: Optional[str] = typer.Option(
+        None, help="instead of a file: the site's own 'package.module:function' returning a map-style torch Dataset"
+    ),
+    data_option: list[str] = typer.Option([], "--data-option", help="KEY=VALUE passed to --data-factory (repeatable)"),
     workload_path: list[Path] = typer.Option(
         [], "--workload-path", help="folder on the site's machine that holds a workload package not installed there (repeatable)"
     ),
@@ -62,11 +66,12 @@ def enroll(
     """Issue a token for a site, store only its hash, print the site's config."""
     try:
         share = parse_share(demo_share) if demo_share else None
+        data_text = data_table(site_id, share, data, data_factory, data_option)
         settings = load_config(config, ServerConfig)
         token = issue_token(settings.listen.tokens, site_id, replace=replace)
     except (ConfigError, ValueError) as exc:
         _fail(str(exc))
-    text = site_config_text(site_id, token, address or settings.listen.address, ca_cert, share, data, workload_path)
+    text = site_config_text(site_id, token, address or settings.listen.address, ca_cert, data_text, workload_path)
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)
@@ -87,12 +92,17 @@ def parse_share(text: str) -> tuple[int, int]:
     return share
 
 
-def site_config_text(
-    site_id: str, token: str, address: str, ca_cert: Path, share: tuple[int, int] | None = None,
-    data_path: Path | None = None, workload_path: list[Path] = (),
+def data_table(
+    site_id: str, share: tuple[int, int] | None = None, path: Path | None = None,
+    factory: str | None = None, factory_options: list[str] = (),
 ) -> str:
+    """The site config's ``[data]`` table: a demo share, the site's own factory, or its file."""
+    if sum(x is not None for x in (share, path, factory)) > 1:
+        raise ValueError("give at most one of --demo-share, --data and --data-factory")
+    if factory_options and factory is None:
+        raise ValueError("--data-option needs --data-factory")
     if share:
-        data = f"""\
+        return f"""\
 [data]
 # Demo data: share {share[0]} of {share[1]} of the built-in workload's training set.
 source = "partition"
@@ -101,14 +111,38 @@ site_index = {share[0]}
 num_sites = {share[1]}
 seed = 0
 """
-    else:
-        data = f"""\
+    if factory:
+        inline = ", ".join(f"{key} = {json.dumps(value)}" for key, value in map(parse_option, factory_options))
+        return f"""\
+[data]
+# This site's own code: a map-style torch.utils.data.Dataset of (inputs, target) items.
+source = "dataset"
+factory = "{factory}"
+options = {{ {inline} }}
+"""
+    return f"""\
 [data]
 # This site's own data: a .npz with arrays 'inputs' and 'targets', a .pt dict of tensors,
 # or a .csv with a header row and a 'target' column (see docs/workloads.md).
 source = "file"
-path = "{data_path or f'data/{site_id}.npz'}"
+path = "{path or f'data/{site_id}.npz'}"
 """
+
+
+def parse_option(text: str) -> tuple[str, object]:
+    """``KEY=VALUE``; the value as JSON when it parses (numbers, true/false), else a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip().isidentifier():
+        raise ValueError(f"--data-option {text!r} must look like KEY=VALUE, e.g. root=data/images")
+    try:
+        return key.strip(), json.loads(value)
+    except ValueError:
+        return key.strip(), value
+
+
+def site_config_text(
+    site_id: str, token: str, address: str, ca_cert: Path, data: str, workload_path: list[Path] = (),
+) -> str:
     return f"""\
 # Site config of {site_id!r}, issued by `dadfl enroll`. The token is shown only once:
 # the server keeps only its hash. Keep this file private.
@@ -117,7 +151,7 @@ token = "{token}"
 device = "auto"   # CUDA when present, else CPU
 threads = 1       # torch CPU threads: 1 suits small models and machines shared by several processes;
                   # raise it on a machine of its own with a large model on CPU
-workload_path = {json.dumps([str(p) for p in workload_path])}  # folders holding a workload package that is not installed
+workload_path = {json.dumps([str(p) for p in workload_path])}  # folders holding your own code (workload, data factory) that is not installed
 
 [connect]
 server = "{address}"

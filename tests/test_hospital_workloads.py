@@ -179,6 +179,15 @@ def test_version_device_and_enrolled_threads(tmp_path):
     site = tomllib.loads(out.read_text())
     assert site["threads"] == 1 and site["data"]["path"] == "h1.csv" and site["workload_path"] == ["models"]
     assert site["evaluation"] == {"fraction": 0.2}
+    out = tmp_path / "site2.toml"
+    result = runner.invoke(app, [
+        "enroll", "h2", "--config", str(server), "--data-factory", "own.images:folder",
+        "--data-option", "root=scans/h2", "--data-option", "size=8", "--out", str(out),
+    ])
+    assert result.exit_code == 0, result.output
+    assert tomllib.loads(out.read_text())["data"] == {"source": "dataset", "factory": "own.images:folder", "options": {"root": "scans/h2", "size": 8}}
+    result = runner.invoke(app, ["enroll", "h3", "--config", str(server), "--data", "x.csv", "--data-factory", "own.images:folder"])
+    assert result.exit_code != 0 and "at most one of" in result.output
 
 
 
