@@ -37,7 +37,7 @@ def configs(tmp: Path, strategy: str, port: int = 0):
         training={"steps": STEPS, "batch_size": 16, "eval_every": STEPS, "checkpoint_every": CHECKPOINT_EVERY},
         federation={"min_sites": SITES, "phase_timeout_s": 20, "quorum_timeout_s": 60, "linger_s": 5},
     )
-    connect = {"max_attempts": 200, "backoff_initial_s": 0.05, "backoff_max_s": 0.2}
+    connect = {"max_attempts": 2000, "backoff_initial_s": 0.05, "backoff_max_s": 0.2}  # minutes on a busy machine
     sites = [
         site_config(tmp, f"site-{i}", f"127.0.0.1:{port}", i, SITES, connect=connect, state_dir=str(tmp / f"site-{i}-state"))
         for i in range(SITES)
@@ -75,8 +75,10 @@ class Federation:
         self.server_toml = write_toml(tmp / "server.toml", self.server_cfg.model_dump(mode="json"))
         self.site_toml = write_toml(tmp / "site-1.toml", site_cfgs[1].model_dump(mode="json"))
         self.server = self.start("server", self.server_toml)
-        self.thread_site = SiteThread(site_cfgs[0]).start()
         self.process_site = self.start("site", self.site_toml)
+        # A slow machine can take longer to start the server than a site retries for.
+        wait_for(lambda: "coordinator listening" in self.log("server"), 180, "the coordinator to listen")
+        self.thread_site = SiteThread(site_cfgs[0]).start()
 
     def start(self, kind: str, toml: Path) -> subprocess.Popen:
         log = (self.tmp / f"{toml.stem}.log").open("a")
@@ -85,7 +87,7 @@ class Federation:
     def kill_after(self, steps: int, process: subprocess.Popen) -> int:
         """SIGKILL ``process`` once the run is ``steps`` steps in; return the steps done by then."""
         run_dir = self.server_cfg.run_dir
-        wait_for(lambda: len(records(run_dir)) >= steps or self.server.poll() is not None, 90, f"{steps} steps")
+        wait_for(lambda: len(records(run_dir)) >= steps or self.server.poll() is not None, 180, f"{steps} steps")
         assert self.server.poll() is None, self.log("server")
         process.send_signal(signal.SIGKILL)
         process.wait(10)
