@@ -4,4 +4,6 @@ import typer
 
 from .cli import site
 
-typer.run(site)
+app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False)
+app.command()(site)
+app()

@@ -7,12 +7,18 @@ it computes.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from dadfl.config import StrictModel
+from dadfl.config import StrictModel, check_host_port
+from dadfl.workloads import BUILTIN
+
+WORKLOAD_SPEC = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
+MODULE_PREFIX = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\.$"
+DEVICE = r"^(auto|cpu|mps|cuda(:[0-9]{1,2})?)$"
 
 
 class LoaderOptions(StrictModel):
@@ -82,6 +88,20 @@ class ConnectConfig(StrictModel):
     backoff_max_s: float = Field(10.0, gt=0)
     max_attempts: int = Field(30, ge=1, description="connection attempts in a row before the site gives up")
 
+    @field_validator("server")
+    @classmethod
+    def _host_port(cls, server: str) -> str:
+        return check_host_port(server, lowest_port=1)
+
+
+class RunLimits(StrictModel):
+    """Bounds on what the coordinator's run config may ask of this site; larger asks are refused."""
+
+    max_batch_size: int = Field(4096, ge=1, description="samples per step")
+    max_steps: int = Field(10_000_000, ge=1)
+    max_parameters: int = Field(100_000_000, ge=1, description="parameters of the model the site builds")
+    max_payload_bytes: int = Field(1 << 30, ge=1024, description="largest payload the site accepts from the server")
+
 
 class SiteConfig(StrictModel):
     site_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -98,3 +118,28 @@ class SiteConfig(StrictModel):
     )
     evaluation: EvaluationData | None = Field(None, description="held-out data for federated evaluation; none: this site does not evaluate")
     workload_path: list[Path] = Field(default_factory=list, description="folders searched for the site's own code that is not installed: workload modules, data.factory")
+    allowed_workloads: list[str] = Field(
+        default_factory=lambda: list(BUILTIN),
+        description="workloads this site runs: built-in names, 'package.module:factory' specs, or module "
+        "prefixes ending in '.' ('hospital_wl.' allows every factory under hospital_wl); anything else the "
+        "coordinator names is refused before it is imported",
+    )
+    limits: RunLimits = RunLimits()
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, device: str) -> str:
+        if not re.match(DEVICE, device):
+            raise ValueError("use 'auto' (CUDA when present), 'cpu', 'cuda', 'cuda:N' or 'mps'")
+        return device
+
+    @field_validator("allowed_workloads")
+    @classmethod
+    def _workload_entries(cls, entries: list[str]) -> list[str]:
+        for entry in entries:
+            if entry not in BUILTIN and not re.match(WORKLOAD_SPEC, entry) and not re.match(MODULE_PREFIX, entry):
+                raise ValueError(
+                    f"{entry!r} is neither a built-in workload ({', '.join(BUILTIN)}), a 'package.module:factory' "
+                    "spec nor a module prefix ending in '.' (e.g. 'hospital_wl.')"
+                )
+        return entries

@@ -30,6 +30,7 @@ from dadfl.workloads import Split, SplitDataset, StepBatches, Workload, partitio
 from dadfl.workloads.base import import_module
 
 from .config import DatasetData, EvaluationData, FileData, SiteConfig
+from .data_checks import DataMismatch
 
 
 def site_dataset(config: SiteConfig, workload: Workload) -> tuple[Dataset, int]:
@@ -73,20 +74,58 @@ def hold_out(dataset: Dataset, evaluation: EvaluationData | None, target_column:
 
 
 def read_data_file(path: Path, target_column: str = "target", field: str = "data.path") -> Split:
-    """``inputs``/``targets`` from a .npz (numpy arrays), .pt (dict of tensors) or .csv file."""
-    if path.suffix == ".npz":
-        with np.load(path) as arrays:
-            data = {k: torch.from_numpy(arrays[k]) for k in arrays.files}
-    elif path.suffix == ".pt":
-        data = torch.load(path, weights_only=True)
-    elif path.suffix == ".csv":
+    """``inputs``/``targets`` from a .npz (numpy arrays), .pt (dict of tensors) or .csv file; every
+    problem is one :class:`DataMismatch` naming ``field`` and the fix, never a value."""
+    where = f"{field} {path}"
+    if path.suffix not in (".npz", ".pt", ".csv"):
+        raise DataMismatch(f"{where}: use a .npz or .pt file holding 'inputs' and 'targets', or a .csv file")
+    if not path.is_file():
+        raise DataMismatch(f"{where} does not exist; point {field} in the site config at this site's data file")
+    if path.suffix == ".csv":
         return read_csv(path, target_column, field)
-    else:
-        raise ValueError(f"{field} {path}: use a .npz or .pt file holding 'inputs' and 'targets', or a .csv file")
+    try:
+        if path.suffix == ".npz":
+            with np.load(path) as arrays:  # allow_pickle stays off: a data file runs no code
+                data = {k: arrays[k] for k in arrays.files}
+        else:
+            data = torch.load(path, weights_only=True)
+    except Exception as exc:
+        raise DataMismatch(f"{where}: cannot be read as {path.suffix} ({type(exc).__name__}); save it with numpy.savez or torch.save") from None
+    if not isinstance(data, dict):
+        raise DataMismatch(f"{where}: holds a {type(data).__name__}, not a dict with 'inputs' and 'targets'")
     missing = {"inputs", "targets"} - set(data)
     if missing:
-        raise ValueError(f"{field} {path}: missing {', '.join(sorted(missing))} (found {', '.join(sorted(data)) or 'nothing'})")
-    return Split(data["inputs"], data["targets"])
+        raise DataMismatch(f"{where}: missing {', '.join(sorted(missing))} (found {', '.join(map(str, sorted(data, key=str))) or 'nothing'})")
+    tensors = {}
+    for name in ("inputs", "targets"):
+        value = data[name]
+        if isinstance(value, np.ndarray):
+            if value.dtype.kind not in "biufc":
+                raise DataMismatch(f"{where}: {name} are {value.dtype} values, not numbers; save numeric arrays")
+            value = torch.from_numpy(value)
+        if not isinstance(value, torch.Tensor):
+            raise DataMismatch(f"{where}: {name} is a {type(value).__name__}, not an array or tensor")
+        tensors[name] = value
+    if len(tensors["inputs"]) != len(tensors["targets"]):
+        raise DataMismatch(f"{where}: {len(tensors['inputs'])} rows of inputs but {len(tensors['targets'])} of targets; they must match")
+    return Split(tensors["inputs"], tensors["targets"])
+
+
+def data_source(config: SiteConfig, workload: Workload) -> str:
+    """How messages name the site's data: the config field and its value."""
+    data = config.data
+    if isinstance(data, FileData):
+        return f"data.path {data.path}"
+    if isinstance(data, DatasetData):
+        return f"data.factory {data.factory}"
+    return f"share {data.site_index} of {workload.name}'s training data"
+
+
+def held_out_source(config: SiteConfig, source: str) -> str:
+    """How messages name the site's held-out data."""
+    if config.evaluation is not None and config.evaluation.path is not None:
+        return f"evaluation.path {config.evaluation.path}"
+    return f"the held-out share of {source}"
 
 
 def read_csv(path: Path, target_column: str, field: str) -> Split:
@@ -97,8 +136,8 @@ def read_csv(path: Path, target_column: str, field: str) -> Split:
         raise ValueError(f"{field} {path}: no column {target_column!r} in the header ({len(header)} columns); set data.target_column")
     try:
         table = np.loadtxt(path, delimiter=",", skiprows=1, dtype=np.float64, ndmin=2)
-    except ValueError as exc:
-        raise ValueError(f"{field} {path}: every value after the header must be a number ({exc})") from None
+    except ValueError:  # numpy's message quotes the value: data never reaches a message
+        raise DataMismatch(f"{field} {path}: every value after the header must be a number") from None
     target = header.index(target_column)
     labels = table[:, target]
     if not np.array_equal(labels, np.round(labels)):

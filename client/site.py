@@ -15,7 +15,6 @@ bad token, wrong layout) end the site with the reason.
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
@@ -34,19 +33,22 @@ from dadfl.protos import tensor_pb2 as pb
 from dadfl.protos.channel import channel_options
 from dadfl.protos.codec import PayloadAssembler, codec_id, encode_payload
 from dadfl.protos.state import load_state
-from dadfl.replica import OptimizerConfig, Replica, resolve_device
-from dadfl.strategies import Payload, make_strategy, weights_fingerprint
-from dadfl.workloads import StepBatches, load_workload
+from dadfl.replica import Replica, resolve_device
+from dadfl.sanitize import one_line
+from dadfl.strategies import Payload, weights_fingerprint
 
-from .config import SiteConfig
-from .data import load_site_batches
+from .config import FileData, SiteConfig
+from .data import data_source, held_out_source, load_site_batches, read_data_file
+from .data_checks import CheckedBatches, check_batches, check_dataset
 from .half_states import HalfStates
+from .run_checks import build_workload, check_run_config
 
 log = logging.getLogger("dadfl.site")
 
 PROTOCOL_VERSION = 1
 MAX_CHUNK_BYTES = 4 << 20  # the largest chunk_bytes a server config allows
 REQUEST_THREAD_EXIT_S = 5.0
+REASON_CHARS = 300  # of a reason the server sends, when logged
 PERMANENT = {
     grpc.StatusCode.UNAUTHENTICATED,
     grpc.StatusCode.PERMISSION_DENIED,
@@ -82,7 +84,7 @@ class Run:
 
     config: cpb.RunConfig
     replica: Replica
-    batches: StepBatches
+    batches: CheckedBatches
     codec: int
     states: HalfStates
     half_step: int | None = 0  # the step whose start the half holds; None in the middle of a step
@@ -164,10 +166,10 @@ class Session:
         elif kind == "step_begin":
             self.on_step_begin(message.step_begin)
         elif kind == "step_abort":
-            log.warning("step %d aborted by the server: %s", message.step_abort.step, message.step_abort.reason)
+            log.warning("step %d aborted by the server: %s", message.step_abort.step, one_line(message.step_abort.reason, REASON_CHARS))
             self.step, self.messages, self.waiting_for_sync = None, [], False
         elif kind == "finished":
-            self.site.summary.finished = message.finished.reason
+            self.site.summary.finished = one_line(message.finished.reason, REASON_CHARS)
             return True
         return False
 
@@ -250,11 +252,14 @@ class Site:
         """Build the replica and data stream for the server's run (once per run id)."""
         if self.run is not None and self.run.config.run_id == config.run_id:
             return
-        workload = load_workload(config.workload, self.config.workload_path, **json.loads(config.workload_options))
-        strategy = make_strategy(config.strategy, **json.loads(config.strategy_options))
-        optimizer = OptimizerConfig.model_validate(json.loads(config.optimizer))
-        replica = Replica(workload, strategy, optimizer, resolve_device(self.config.device))
+        checked = check_run_config(config, self.config, MAX_CHUNK_BYTES)  # before any workload code is imported
+        workload = build_workload(checked, self.config.limits, self.config.workload_path)
+        replica = Replica(workload, checked.strategy, checked.optimizer, resolve_device(self.config.device))
         batches, held_out = load_site_batches(self.config, workload, config.batch_size, replica.device)
+        source = data_source(self.config, workload)
+        batches = check_batches(replica.model, workload.loss, batches, source, replica.device)
+        if held_out is not None:
+            held_out = check_dataset(replica.model, workload.loss, held_out, held_out_source(self.config, source), replica.device)
         states = HalfStates(self.config.state_dir, self.config.site_id, config.run_id, replica.device)
         self.run = Run(config, replica, batches, codec_id(config.codec), states, held_out=held_out)
         log.info("site %s: run %s, %s with %s, %d steps", self.config.site_id, config.run_id, config.workload, config.strategy, config.steps)
@@ -296,6 +301,8 @@ def run_site(config: SiteConfig, insecure: bool = False) -> SiteSummary:
     if config.threads:
         torch.set_num_threads(config.threads)
     resolve_device(config.device)  # no CUDA for device = "cuda": say so before connecting
+    if isinstance(config.data, FileData):
+        read_data_file(config.data.path, config.data.target_column)  # a missing or unreadable file too
     site = Site(config)
     connect = config.connect
     failures, delay = 0, connect.backoff_initial_s
@@ -310,8 +317,8 @@ def run_site(config: SiteConfig, insecure: bool = False) -> SiteSummary:
             reason = "the server ended the stream"
         except grpc.RpcError as exc:
             if exc.code() in PERMANENT:
-                raise SiteRefused(f"site {config.site_id} refused by {connect.server}: {exc.details()}") from None
-            reason = f"{exc.code().name}: {exc.details()}"
+                raise SiteRefused(f"site {config.site_id} refused by {connect.server}: {one_line(exc.details() or '', REASON_CHARS)}") from None
+            reason = f"{exc.code().name}: {one_line(exc.details() or '', REASON_CHARS)}"
         except StateLost as exc:
             reason = str(exc)
         finally:

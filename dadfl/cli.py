@@ -16,12 +16,15 @@ from dadfl.server import cli as server_cli
 from dadfl.server.processes import simulate_processes
 
 from .config import ConfigError, load_config, validate_config
+from .failures import set_debug
 from .metrics import MetricsWriter
 from .replica import resolve_device
 from .report import human_bytes, write_plots
 from .simulation import SimulationConfig, StrategySpec, run_directory, simulate
 
-app = typer.Typer(help="Federated learning that shares auto-differentiation factors.", no_args_is_help=True)
+app = typer.Typer(
+    help="Federated learning that shares auto-differentiation factors.", no_args_is_help=True, pretty_exceptions_show_locals=False
+)
 console = Console()
 
 
@@ -36,8 +39,10 @@ def _print_version(value: bool) -> None:
 @app.callback()
 def main(
     version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True, help="print the version and exit"),
+    debug: bool = typer.Option(False, "--debug", help="print the traceback of a failure (never local variables)"),
 ) -> None:
     """dadfl: train one shared model across sites that never move their data."""
+    set_debug(debug)
 
 
 def fail(message: str) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Literal, Sequence
 
 import torch
+from pydantic import Field
 from torch.utils.data import DataLoader, Dataset
 
 from dadfl.strategies import Layout, Payload, Strategy, apply_update, local_step, weights_fingerprint
@@ -24,9 +25,9 @@ from .config import StrictModel
 
 class OptimizerConfig(StrictModel):
     name: Literal["sgd", "adam"] = "sgd"
-    lr: float = 0.1
-    momentum: float = 0.0
-    weight_decay: float = 0.0
+    lr: float = Field(0.1, gt=0, allow_inf_nan=False)
+    momentum: float = Field(0.0, ge=0, le=1)
+    weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
 
     def build(self, params) -> torch.optim.Optimizer:
         if self.name == "sgd":

@@ -4,4 +4,6 @@ import typer
 
 from .cli import server
 
-typer.run(server)
+app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False)
+app.command()(server)
+app()

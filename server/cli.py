@@ -12,6 +12,8 @@ from typing import Optional
 import typer
 
 from dadfl.config import ConfigError, load_config
+from dadfl.failures import fail, set_debug, unexpected
+from dadfl.workloads import BUILTIN
 
 from .certs import make_dev_certs
 from .config import ServerConfig
@@ -21,27 +23,30 @@ from .progress import setup_logging
 from .runtime import run_server
 
 
-def _fail(message: str, code: int = 2) -> None:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code)
-
-
 def server(
     config: Path = typer.Option(..., "--config", help="server TOML, e.g. configs/server.toml"),
     insecure: bool = typer.Option(False, "--insecure", help="serve plain text (no TLS): trusted networks and tests only"),
     verbose: bool = typer.Option(False, "--verbose", help="debug logging"),
+    debug: bool = typer.Option(False, "--debug", help="print the traceback of a failure (never local variables)"),
 ) -> None:
     """Run the coordinator: wait for the sites, drive every step, checkpoint, write the model."""
+    set_debug(debug)
     setup_logging(verbose)
     try:
         settings = load_config(config, ServerConfig)
         if not insecure:
             settings.require_tls()
         run_server(settings, insecure=insecure)
-    except (ConfigError, ValueError, OSError) as exc:
-        _fail(str(exc))
+    except ConfigError as exc:
+        fail(str(exc), 2, exc)
+    except (ValueError, OSError) as exc:
+        fail(f"{config}: {exc}", 2, exc)
     except RunStopped as exc:
-        _fail(f"run stopped: {exc} (the last checkpoint is kept; start the server again to resume)", code=1)
+        fail(f"run stopped: {exc} (the last checkpoint is kept; start the server again to resume)", 1, exc)
+    except KeyboardInterrupt:
+        fail("interrupted", 130)
+    except Exception as exc:
+        unexpected(exc)
 
 
 def enroll(
@@ -70,8 +75,10 @@ def enroll(
         settings = load_config(config, ServerConfig)
         token = issue_token(settings.listen.tokens, site_id, replace=replace)
     except (ConfigError, ValueError) as exc:
-        _fail(str(exc))
-    text = site_config_text(site_id, token, address or settings.listen.address, ca_cert, data_text, workload_path)
+        fail(str(exc), 2, exc)
+    text = site_config_text(
+        site_id, token, address or settings.listen.address, ca_cert, data_text, workload_path, settings.workload.spec
+    )
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)
@@ -141,8 +148,9 @@ def parse_option(text: str) -> tuple[str, object]:
 
 
 def site_config_text(
-    site_id: str, token: str, address: str, ca_cert: Path, data: str, workload_path: list[Path] = (),
+    site_id: str, token: str, address: str, ca_cert: Path, data: str, workload_path: list[Path] = (), workload: str = "",
 ) -> str:
+    allowed = [*BUILTIN, *([workload] if workload and workload not in BUILTIN else [])]
     return f"""\
 # Site config of {site_id!r}, issued by `dadfl enroll`. The token is shown only once:
 # the server keeps only its hash. Keep this file private.
@@ -152,6 +160,10 @@ device = "auto"   # CUDA when present, else CPU
 threads = 1       # torch CPU threads: 1 suits small models and machines shared by several processes;
                   # raise it on a machine of its own with a large model on CPU
 workload_path = {json.dumps([str(p) for p in workload_path])}  # folders holding your own code (workload, data factory) that is not installed
+# Workloads this site runs: a coordinator naming anything else is refused before its code
+# is imported. Review it: the built-in ones and this federation's workload; a module prefix
+# such as "hospital_wl." allows every factory of a package.
+allowed_workloads = {json.dumps(allowed)}
 
 [connect]
 server = "{address}"

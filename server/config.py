@@ -9,10 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from dadfl.config import StrictModel
+from dadfl.config import StrictModel, check_host_port
+from dadfl.options import strategy_options
 from dadfl.replica import OptimizerConfig
+from dadfl.strategies import STRATEGIES
 
 
 class ListenConfig(StrictModel):
@@ -20,6 +22,11 @@ class ListenConfig(StrictModel):
     tls_cert: Path | None = Field(None, description="PEM certificate chain of the server")
     tls_key: Path | None = Field(None, description="PEM private key of the server")
     tokens: Path = Field(Path("tokens.json"), description="enrolled sites and their token hashes")
+
+    @field_validator("address")
+    @classmethod
+    def _host_port(cls, address: str) -> str:
+        return check_host_port(address, lowest_port=0)
 
 
 class WorkloadConfig(StrictModel):
@@ -44,6 +51,13 @@ class StrategyConfig(StrictModel):
     name: str = "dad"
     options: dict = Field(default_factory=dict)
     label: str = Field("", description="name in metrics and plots (default: name(options))")
+
+    @model_validator(mode="after")
+    def _known_with_typed_options(self) -> "StrategyConfig":
+        if self.name not in STRATEGIES:
+            raise ValueError(f"unknown strategy {self.name!r}; choose one of {', '.join(STRATEGIES)}")
+        strategy_options(STRATEGIES[self.name], self.options)
+        return self
 
 
 class TrainingConfig(StrictModel):

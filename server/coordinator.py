@@ -52,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -59,6 +60,7 @@ from pathlib import Path
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 
 from dadfl.metrics import MetricsWriter, read_metrics
 from dadfl.protos import coordinator_pb2 as cpb
@@ -67,13 +69,14 @@ from dadfl.protos import tensor_pb2 as pb
 from dadfl.protos.codec import PayloadAssembler, WireError, codec_id, encode_payload, roundtrip
 from dadfl.protos.state import state_payload
 from dadfl.replica import Replica
+from dadfl.sanitize import one_line, printable
 from dadfl.strategies import make_strategy, weights_fingerprint
 from dadfl.strategies.checks import ModelFacts, check_update, influence_outliers
 from dadfl.workloads import load_workload
 
 from . import checkpoint
 from .config import ServerConfig
-from .enrol import EnrolmentError, verify
+from .enrol import SITE_ID_PATTERN, SITE_ID_RULE, EnrolmentError, verify
 from .evaluation import EvalRejected, SiteEval, check_report, combine
 from .links import FINISH, Close, Closed, Done, SiteLink, SyncRequest, Upload
 from .progress import OperatorView
@@ -208,8 +211,9 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                 if item is FINISH:
                     return
                 if isinstance(item, Close):
-                    log.warning("closing site %s: %s", link.site_id, item.reason)
-                    await context.abort(item.code, item.reason)
+                    reason = one_line(item.reason)  # reasons may quote what the site sent
+                    log.warning("closing site %s: %s", link.site_id, reason)
+                    await context.abort(item.code, reason)
                 await context.write(item)
         finally:
             reader.cancel()
@@ -228,11 +232,17 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"site speaks protocol {hello.protocol_version}, this server {PROTOCOL_VERSION}: run the same dadfl version",
             )
+        if not re.match(SITE_ID_PATTERN, hello.site_id):  # checked before the id reaches a log line or a message
+            log.warning("refused a hello from %s: site id %s is not a valid site id", context.peer(), printable(hello.site_id))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the site id must be {SITE_ID_RULE}")
         try:
             verify(Path(self.config.listen.tokens), hello.site_id, hello.token)
         except EnrolmentError as exc:
             log.warning("refused %s from %s: %s", hello.site_id, context.peer(), exc)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED if exc.unknown else grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        except ValueError as exc:  # the tokens file was damaged after the server started
+            log.error("cannot check the token of site %s: %s", hello.site_id, exc)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server cannot read its tokens file; its operator must fix it")
         try:
             quarantined = self.quarantine.refusal(hello.site_id)
         except ValueError as exc:  # the operator's file is unreadable: admit no one until it is fixed
@@ -249,11 +259,11 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             self.told_finished.add(hello.site_id)
             self.changed.set()
             return None
-        ready = (await self._read_one(context, "ready")).ready
+        ready = (await self._read_one(context, "ready", hello.site_id)).ready
         if ready.layout_fingerprint != self.layout.fingerprint():
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"site {hello.site_id} built model layout {ready.layout_fingerprint} but the server has "
+                f"site {hello.site_id} built model layout {one_line(ready.layout_fingerprint, 64)} but the server has "
                 f"{self.layout.fingerprint()}: site and server must run the same dadfl, torch and workload code",
             )
         link = SiteLink(hello.site_id, context.peer(), self.arrivals)
@@ -266,13 +276,19 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         log.info("site %s joined from %s", link.site_id, link.peer)
         return link
 
-    async def _read_one(self, context, expected: str) -> cpb.SiteMessage:
+    async def _read_one(self, context, expected: str, site_id: str | None = None) -> cpb.SiteMessage:
+        who = f"site {site_id}" if site_id else f"a stream from {context.peer()}"
         try:
             message = await asyncio.wait_for(context.read(), HANDSHAKE_TIMEOUT_S)
         except asyncio.TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"no {expected} message within {HANDSHAKE_TIMEOUT_S:.0f} s")
+        except DecodeError:
+            log.warning("%s sent bytes that are not a dadfl message instead of its %s; refused", who, expected)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"expected a {expected} message, got bytes that are not a dadfl message")
         if message is grpc.aio.EOF or message.WhichOneof("kind") != expected:
-            got = "end of stream" if message is grpc.aio.EOF else message.WhichOneof("kind")
+            got = "end of stream" if message is grpc.aio.EOF else message.WhichOneof("kind") or "an empty message"
+            if site_id and message is grpc.aio.EOF:
+                log.warning("site %s closed its stream instead of sending %s (it refused the run config or its data: see its log)", site_id, expected)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"expected a {expected} message, got {got}")
         return message
 
@@ -304,6 +320,8 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                     break
         except asyncio.CancelledError:
             raise
+        except DecodeError:
+            link.close(grpc.StatusCode.INVALID_ARGUMENT, f"site {link.site_id} sent bytes that are not a dadfl message")
         except Exception as exc:  # the connection broke under the read
             link.gone(f"connection lost: {exc}")
         finally:
@@ -605,7 +623,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             log.warning("site %s lost during step %d phase %d: %s", link.site_id, step, phase, event.reason)
             return None
         if isinstance(event, SyncRequest):
-            log.warning("site %s has weights %s, resending the state", link.site_id, event.fingerprint[:12])
+            log.warning("site %s has weights %s, resending the state", link.site_id, one_line(event.fingerprint, 12))
             self._send(link, *self._state_messages())
             return SKIP
         header_step = (event.step, event.attempt) if isinstance(event, Done) else (event.payload.header.step, event.payload.header.attempt)

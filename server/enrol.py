@@ -17,7 +17,10 @@ import secrets
 import time
 from pathlib import Path
 
+from dadfl.sanitize import printable
+
 SITE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+SITE_ID_RULE = "1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
 
 
 class EnrolmentError(PermissionError):
@@ -33,19 +36,39 @@ def token_hash(token: str) -> str:
 
 
 def read_tokens(path: Path) -> dict[str, dict]:
+    """The enrolled sites (none when the file does not exist yet); ValueError naming the file
+    when it is not a token file ``dadfl enroll`` wrote."""
     if not path.exists():
         return {}
     try:
         sites = json.loads(path.read_text())["sites"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{path}: not a dadfl token file ({exc}); re-enrol the sites with `dadfl enroll`") from None
+    except (ValueError, KeyError, TypeError, OSError) as exc:
+        raise ValueError(f"{path}: not a dadfl token file ({type(exc).__name__}); re-enrol the sites with `dadfl enroll`") from None
+    if not isinstance(sites, dict):
+        raise ValueError(f"{path}: 'sites' is not a table of site ids; re-enrol the sites with `dadfl enroll`")
+    for site_id, entry in sites.items():
+        if not re.match(SITE_ID_PATTERN, site_id) or not isinstance(entry, dict) or not re.fullmatch(r"[0-9a-f]{64}", str(entry.get("sha256"))):
+            raise ValueError(f"{path}: the entry of site {printable(site_id)} is not one `dadfl enroll` writes; re-enrol it with `dadfl enroll --replace`")
     return sites
+
+
+def check_tokens_file(path: Path) -> int:
+    """At server start: the tokens file (``listen.tokens``) exists and reads; returns the number of sites."""
+    if not path.is_file():
+        raise ValueError(
+            f"listen.tokens: {path} does not exist; enrol the sites first (`dadfl enroll SITE --config <server config>` "
+            "creates it) or point listen.tokens at the federation's tokens file"
+        )
+    try:
+        return len(read_tokens(path))
+    except ValueError as exc:
+        raise ValueError(f"listen.tokens: {exc}") from None
 
 
 def enroll(path: Path, site_id: str, replace: bool = False) -> str:
     """Issue a new token for ``site_id``, store its hash, return the token (shown once)."""
     if not re.match(SITE_ID_PATTERN, site_id):
-        raise ValueError(f"site id {site_id!r} must be 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
+        raise ValueError(f"site id {printable(site_id)} must be {SITE_ID_RULE}")
     sites = read_tokens(path)
     if site_id in sites and not replace:
         raise ValueError(f"site {site_id!r} is already enrolled in {path}; pass --replace to issue a new token (the old one stops working)")

@@ -76,6 +76,7 @@ def simulation_configs(config: SimulationConfig, spec: StrategySpec, folder: Pat
                 {
                     "site_id": site_id,
                     "token": enroll(folder / "tokens.json", site_id),
+                    "allowed_workloads": [config.workload],  # the simulation's own workload, built-in or not
                     "device": config.device,
                     "threads": config.threads,
                     "workload_path": [str(p.resolve()) for p in config.workload_path],

@@ -16,6 +16,7 @@ from dadfl.protos.channel import channel_options
 
 from .config import ServerConfig
 from .coordinator import Coordinator
+from .enrol import check_tokens_file
 
 log = logging.getLogger("dadfl.server")
 
@@ -29,6 +30,8 @@ async def serve(config: ServerConfig, insecure: bool = False, on_listening: Call
     if not insecure:
         cert, key = config.require_tls()
         credentials = grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())])
+    enrolled = check_tokens_file(Path(config.listen.tokens))
+    log.info("%d site(s) enrolled in %s", enrolled, config.listen.tokens)
     coordinator = Coordinator(config)
     server = grpc.aio.server(options=channel_options(config.wire.chunk_bytes))
     cpb_grpc.add_CoordinatorServicer_to_server(coordinator, server)

@@ -14,8 +14,9 @@ from pathlib import Path
 from dadfl.client.config import SiteConfig
 from dadfl.client.site import run_site
 from dadfl.server.config import ServerConfig
-from dadfl.server.enrol import enroll
+from dadfl.server.enrol import enroll, write_tokens
 from dadfl.server.runtime import serve
+from dadfl.workloads import BUILTIN
 
 
 def free_port() -> int:
@@ -37,7 +38,10 @@ def server_config(tmp: Path, **sections) -> ServerConfig:
     }
     for name, values in sections.items():
         base[name] = {**base[name], **values} if isinstance(base.get(name), dict) else values
-    return ServerConfig.model_validate(base)
+    config = ServerConfig.model_validate(base)
+    if not config.listen.tokens.exists():  # the server refuses to start without one; sites are enrolled later
+        write_tokens(config.listen.tokens, {})
+    return config
 
 
 class ServerThread:
@@ -81,7 +85,8 @@ def site_config(tmp: Path, site_id: str, endpoint: str, index: int, sites: int, 
     if token is None:
         token = enroll(tmp / "tokens.json", site_id, replace=True)
     data = {"site_id": site_id, "token": token, "connect": {"server": endpoint, "backoff_initial_s": 0.1, "max_attempts": 5},
-            "data": {"source": "partition", "site_index": index, "num_sites": sites}, "device": "cpu", "threads": 1}
+            "data": {"source": "partition", "site_index": index, "num_sites": sites}, "device": "cpu", "threads": 1,
+            "allowed_workloads": [*BUILTIN, "network_workloads."]}  # the built-ins and the tests' own workloads
     for name, values in extra.items():
         merge = isinstance(data.get(name), dict) and name != "data"
         data[name] = {**data[name], **values} if merge else values

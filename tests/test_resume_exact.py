@@ -38,9 +38,9 @@ def configs(tmp: Path, strategy: str, port: int = 0):
         federation={"min_sites": SITES, "phase_timeout_s": 20, "quorum_timeout_s": 60, "linger_s": 5},
     )
     connect = {"max_attempts": 2000, "backoff_initial_s": 0.05, "backoff_max_s": 0.2}  # minutes on a busy machine
-    sites = [
+    sites = [  # none while the port is not known yet (0: the server picks one)
         site_config(tmp, f"site-{i}", f"127.0.0.1:{port}", i, SITES, connect=connect, state_dir=str(tmp / f"site-{i}-state"))
-        for i in range(SITES)
+        for i in range(SITES if port else 0)
     ]
     return server, sites
 

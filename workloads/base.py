@@ -25,6 +25,8 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from dadfl.options import factory_options
+
 
 @dataclass(frozen=True)
 class Split:
@@ -151,6 +153,7 @@ def load_workload(spec: str, search_path: Sequence[Path | str] = (), **options) 
             f"workload {spec!r} has no option {', '.join(map(repr, unknown))}; "
             f"its options are: {', '.join(accepted) or 'none'}"
         )
+    factory_options(factory, options, f"workload {spec!r} options")  # strict types, bounded values
     workload = factory(**options)
     if not isinstance(workload, Workload):
         raise TypeError(f"workload factory {path!r} returned {type(workload).__name__}, not a Workload")

@@ -1,0 +1,157 @@
+"""What a site checks in the coordinator's run config before it builds or imports anything.
+
+The coordinator is trusted with the model's weights, not with the site's machine. A run
+config names code (a workload factory) and its arguments; the site runs only workloads
+its own config allows (``allowed_workloads``), decided from the name alone, before any
+import. Every other field is bounded: options are small JSON objects of typed values,
+batch size, steps and payload sizes stay under the site's ``limits``, and the model's
+size is measured on torch's meta device before a single weight is allocated.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from pydantic import ValidationError
+
+from dadfl.protos import coordinator_pb2 as cpb
+from dadfl.protos.codec import CODECS
+from dadfl.options import strategy_options, validation_summary
+from dadfl.replica import OptimizerConfig
+from dadfl.sanitize import printable
+from dadfl.strategies import STRATEGIES, Strategy, make_strategy
+from dadfl.workloads import BUILTIN, Workload, load_workload
+
+from .config import WORKLOAD_SPEC, RunLimits, SiteConfig
+
+MAX_OPTIONS_CHARS = 64 << 10  # one JSON field of the run config
+MAX_OPTIONS_DEPTH = 4  # nesting of option values (a JSON bomb nests thousands deep)
+MAX_SPEC_CHARS = 256
+MIN_CHUNK_BYTES = 1024
+RUN_ID = r"^[A-Za-z0-9_-]{1,64}$"
+FINGERPRINT = r"^[0-9a-f]{1,128}$"
+
+
+class RunRefused(RuntimeError):
+    """The coordinator's run config asks for something this site does not run or allow."""
+
+
+@dataclass(frozen=True)
+class CheckedRun:
+    """The run config's fields after every check; ``workload`` is built only from these."""
+
+    workload: str
+    workload_options: dict[str, Any]
+    strategy: Strategy
+    optimizer: OptimizerConfig
+
+
+def workload_allowed(spec: str, allowed: list[str]) -> bool:
+    """Whether ``allowed_workloads`` lets this site run ``spec``: decided from the text alone."""
+    path = BUILTIN.get(spec, spec)
+    if path in {BUILTIN.get(entry, entry) for entry in allowed}:  # a built-in's name allows its import path too
+        return True
+    if not re.match(WORKLOAD_SPEC, path):
+        return False
+    module = path.split(":", 1)[0]
+    return any(entry.endswith(".") and f"{module}.".startswith(entry) for entry in allowed)
+
+
+def check_run_config(config: cpb.RunConfig, site: SiteConfig, max_chunk_bytes: int) -> CheckedRun:
+    """Every field of the coordinator's run config checked against this site's config; no import of
+    workload code happens here. Raises :class:`RunRefused` naming the field and what would allow it."""
+    limits = site.limits
+    if not re.match(RUN_ID, config.run_id):
+        raise RunRefused(f"the coordinator sent run_id {printable(config.run_id)}: expected 1-64 letters, digits, '_' or '-'")
+    spec = config.workload
+    if len(spec) > MAX_SPEC_CHARS or not workload_allowed(spec, site.allowed_workloads):
+        raise RunRefused(
+            f"the coordinator asks for workload {printable(spec)}, which this site does not allow; "
+            f"to run it, add it (or its module prefix, e.g. 'package.') to allowed_workloads in the site config"
+        )
+    workload_options = parse_options(config.workload_options, "workload_options")
+    strategy = checked_strategy(config.strategy, parse_options(config.strategy_options, "strategy_options"))
+    try:
+        optimizer = OptimizerConfig.model_validate(parse_options(config.optimizer, "optimizer"), strict=True)
+    except ValidationError as exc:
+        raise RunRefused(f"the coordinator's optimizer is not valid: {validation_summary(exc)}") from None
+    bound("batch_size", config.batch_size, 1, limits.max_batch_size, "limits.max_batch_size")
+    bound("steps", config.steps, 1, limits.max_steps, "limits.max_steps")
+    bound("max_payload_bytes", config.max_payload_bytes, MIN_CHUNK_BYTES, limits.max_payload_bytes, "limits.max_payload_bytes")
+    bound("chunk_bytes", config.chunk_bytes, MIN_CHUNK_BYTES, max_chunk_bytes, None)
+    if config.codec not in CODECS:
+        raise RunRefused(f"the coordinator sent codec {printable(config.codec)}; this site knows {', '.join(CODECS)}")
+    if not re.match(FINGERPRINT, config.layout_fingerprint):
+        raise RunRefused(f"the coordinator sent layout fingerprint {printable(config.layout_fingerprint)}: expected hex digits")
+    return CheckedRun(spec, workload_options, strategy, optimizer)
+
+
+def bound(field: str, value: int, lowest: int, highest: int, site_field: str | None) -> None:
+    if not lowest <= value <= highest:
+        allow = f"; raise {site_field} in the site config to allow it" if site_field and value > highest else ""
+        raise RunRefused(f"the coordinator asks for {field} = {value}, outside {lowest}..{highest}{allow}")
+
+
+def parse_options(text: str, field: str) -> dict[str, Any]:
+    """A JSON object of the run config, bounded in size and nesting."""
+    if len(text) > MAX_OPTIONS_CHARS:
+        raise RunRefused(f"the coordinator's {field} is {len(text)} characters; at most {MAX_OPTIONS_CHARS} are accepted")
+    try:
+        value = json.loads(text) if text else {}
+    except (ValueError, RecursionError):
+        raise RunRefused(f"the coordinator's {field} is not valid JSON") from None
+    if not isinstance(value, dict):
+        raise RunRefused(f"the coordinator's {field} must be a JSON object, not {type(value).__name__}")
+    if depth(value) > MAX_OPTIONS_DEPTH:
+        raise RunRefused(f"the coordinator's {field} nests deeper than {MAX_OPTIONS_DEPTH} levels")
+    return value
+
+
+def depth(value: Any) -> int:
+    if isinstance(value, dict):
+        return 1 + max(map(depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(depth, value), default=0)
+    return 0
+
+
+def checked_strategy(name: str, options: dict[str, Any]) -> Strategy:
+    if name not in STRATEGIES:
+        raise RunRefused(f"the coordinator asks for strategy {printable(name)}; this site knows {', '.join(STRATEGIES)}")
+    try:
+        return make_strategy(name, **strategy_options(STRATEGIES[name], options))
+    except (ValueError, TypeError) as exc:
+        raise RunRefused(f"the coordinator's strategy is not valid: {exc}") from None
+
+
+def build_workload(run: CheckedRun, limits: RunLimits, search_path: Sequence[Path] = ()) -> Workload:
+    """Import the (allowed) workload, looking in the site's ``search_path`` first, build it with
+    the coordinator's options (typed as the factory declares them), and refuse a model above
+    ``limits.max_parameters`` before allocating it."""
+    try:
+        workload = load_workload(run.workload, search_path, **run.workload_options)
+    except (ValueError, TypeError) as exc:
+        raise RunRefused(f"the coordinator's workload is not valid here: {exc}") from None
+    parameters = count_parameters(workload)
+    if parameters > limits.max_parameters:
+        raise RunRefused(
+            f"workload {printable(run.workload)} with the coordinator's options has {parameters:,} parameters, "
+            f"above limits.max_parameters = {limits.max_parameters:,} in the site config"
+        )
+    return workload
+
+
+def count_parameters(workload: Workload) -> int:
+    """Parameters of the workload's model, from shapes on torch's meta device (no memory, no
+    time); a model that cannot be built there is built for real."""
+    try:
+        with torch.device("meta"):
+            model = workload.build_model()
+    except Exception:
+        model = workload.build_model()
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,488 @@
+"""A site decides what it runs, checks its data before joining, and fails in one line.
+
+A fake coordinator (a real gRPC server in this process) names workloads the site does
+not allow; sites run as real processes (``python -m dadfl.client``) so exit codes and
+everything they print are what an operator sees. Configuration and data mistakes end in
+one ``error:`` line naming the file, the field and the fix, and no token or data value
+ever reaches the terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from sklearn.datasets import load_digits
+from typer.testing import CliRunner
+
+from dadfl.cli import app
+from dadfl.client.config import SiteConfig
+from dadfl.client.data_checks import DataMismatch
+from dadfl.client.run_checks import RunRefused, build_workload, check_run_config, workload_allowed
+from dadfl.protos import coordinator_pb2 as cpb
+from dadfl.protos import coordinator_pb2_grpc as cpb_grpc
+from dadfl.protos.channel import channel_options
+from dadfl.server.enrol import enroll, write_tokens
+from network_helpers import ServerThread, SiteThread, free_port, server_config, site_config, write_toml
+
+SITE_TIMEOUT_S = 60
+
+
+def run_config(**fields) -> cpb.RunConfig:
+    base = dict(
+        run_id="run1", workload="digits-mlp", workload_options='{"hidden": 16}', strategy="dsgd", strategy_options="{}",
+        optimizer='{"name": "sgd", "lr": 0.1}', batch_size=16, steps=5, codec="none", layout_fingerprint="0" * 16,
+        chunk_bytes=1 << 20, max_payload_bytes=1 << 20,
+    )
+    return cpb.RunConfig(**{**base, **fields})
+
+
+class FakeCoordinator(cpb_grpc.CoordinatorServicer):
+    """Answers every hello with ``config``; records what the site sends next, then ends the stream."""
+
+    def __init__(self, config: cpb.RunConfig):
+        self.config = config
+        self.received: list[str] = []
+
+    def Join(self, request_iterator, context):
+        self.received.append(next(request_iterator).WhichOneof("kind"))
+        yield cpb.ServerMessage(config=self.config)
+        for message in request_iterator:
+            self.received.append(message.WhichOneof("kind"))
+            return
+
+
+@pytest.fixture
+def fake_coordinator():
+    servers = []
+
+    def start(config: cpb.RunConfig) -> tuple[FakeCoordinator, str]:
+        coordinator = FakeCoordinator(config)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=channel_options(1 << 20))
+        cpb_grpc.add_CoordinatorServicer_to_server(coordinator, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        servers.append(server)
+        return coordinator, f"127.0.0.1:{port}"
+
+    yield start
+    for server in servers:
+        server.stop(0)
+
+
+def site_toml(tmp: Path, server: str, token: str = "t" * 43, **fields) -> Path:
+    data = {
+        "site_id": "hospital-a", "token": token, "device": "cpu", "threads": 1,
+        "connect": {"server": server, "backoff_initial_s": 0.1, "max_attempts": 1},
+        "data": {"source": "partition", "site_index": 0, "num_sites": 2},
+    }
+    data.update(fields)
+    return write_toml(tmp / "site.toml", data)
+
+
+def run_site_process(config: Path, *args: str, pythonpath: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), env.get("PYTHONPATH")]))
+    command = [sys.executable, "-m", "dadfl.client", *args, "--config", str(config), "--insecure"]
+    return subprocess.run(command, capture_output=True, text=True, timeout=SITE_TIMEOUT_S, env=env)
+
+
+def error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("error:")]
+
+
+def write_marker_workload(tmp: Path) -> Path:
+    """A workload module that leaves a marker file the moment it is imported."""
+    marker = tmp / "imported.marker"
+    (tmp / "marker_wl.py").write_text(textwrap.dedent(f"""\
+        from pathlib import Path
+        Path({str(marker)!r}).write_text("imported")
+        from dadfl.workloads.digits import mlp as build
+    """))
+    return marker
+
+
+# ---------------------------------------------------------------- what code a site runs
+
+
+@pytest.mark.parametrize(
+    "workload, options",
+    [("marker_wl:build", {"hidden": 16}), ("os:system", {"command": "touch {marker}"})],
+    ids=["workload outside the allowlist", "os:system"],
+)
+def test_a_workload_the_site_does_not_allow_is_refused_before_any_import(tmp_path, fake_coordinator, workload, options):
+    marker = write_marker_workload(tmp_path)
+    options = {k: v.format(marker=marker) if isinstance(v, str) else v for k, v in options.items()}
+    coordinator, address = fake_coordinator(run_config(workload=workload, workload_options=json.dumps(options)))
+    result = run_site_process(site_toml(tmp_path, address), pythonpath=tmp_path)
+    assert result.returncode == 2, result.stderr
+    [line] = error_lines(result.stderr)
+    assert repr(workload) in line and "allowed_workloads" in line and str(tmp_path / "site.toml") in line
+    assert not marker.exists(), "the module was imported (or the command ran) although the site refused it"
+    assert coordinator.received == ["hello"], "the site must not answer ready to a run it refuses"
+    assert "Traceback" not in result.stderr
+
+
+def test_an_allowed_module_prefix_runs_the_workload(tmp_path, fake_coordinator):
+    """The control of the test above: the same module, allowed by prefix, is imported and built."""
+    marker = write_marker_workload(tmp_path)
+    coordinator, address = fake_coordinator(run_config(workload="marker_wl:build"))
+    result = run_site_process(site_toml(tmp_path, address, allowed_workloads=["marker_wl."]), pythonpath=tmp_path)
+    assert marker.exists()
+    assert coordinator.received == ["hello", "ready"]
+    assert result.returncode == 1 and "unreachable 1 times" in result.stderr  # the fake ends the stream after ready
+
+
+def test_allowlist_matches_specs_prefixes_and_builtin_names():
+    allowed = ["digits-mlp", "hospital_wl.", "lab.models:net"]
+    assert workload_allowed("digits-mlp", allowed) and workload_allowed("dadfl.workloads.digits:mlp", allowed)
+    assert workload_allowed("hospital_wl.tabular:mlp", allowed) and workload_allowed("hospital_wl:mlp", allowed)
+    assert workload_allowed("lab.models:net", allowed)
+    for refused in ("hospital_wlx.tabular:mlp", "lab.models:other", "digits-cnn", "os:system", "hospital_wl..x:y", "hospital_wl.a:b; rm"):
+        assert not workload_allowed(refused, allowed), refused
+
+
+def demo_site_config() -> SiteConfig:
+    data = {"source": "partition", "site_index": 0, "num_sites": 1}
+    return SiteConfig.model_validate({"site_id": "a", "token": "t" * 20, "connect": {"server": "h:1"}, "data": data})
+
+
+HOSTILE_RUN_CONFIGS = {
+    "JSON bomb": (dict(workload_options="[" * 50_000 + "]" * 50_000), "workload_options"),
+    "deep nesting": (dict(strategy_options=json.dumps({"a": [[[[[1]]]]]})), "nests deeper"),
+    "huge options": (dict(workload_options=json.dumps({"hidden": 16, "pad": "x" * 100_000})), "characters; at most"),
+    "not an object": (dict(optimizer="[1, 2]"), "must be a JSON object"),
+    "huge batch": (dict(batch_size=1_000_000_000), "limits.max_batch_size"),
+    "huge steps": (dict(steps=10**15), "limits.max_steps"),
+    "huge chunks": (dict(chunk_bytes=1 << 30), "chunk_bytes"),
+    "huge payloads": (dict(max_payload_bytes=1 << 40), "limits.max_payload_bytes"),
+    "unknown codec": (dict(codec="zip"), "codec 'zip'"),
+    "unknown strategy": (dict(strategy="evil"), "strategy 'evil'"),
+    "unknown strategy option": (dict(strategy="rankdad", strategy_options='{"rank": 2, "exec": "x"}'), "exec: Extra inputs"),
+    "option of the wrong type": (dict(strategy="rankdad", strategy_options='{"rank": "4"}'), "rank: Input should be a valid integer"),
+    "option out of range": (dict(strategy="rankdad", strategy_options='{"rank": 99999999999}'), "rank: Input should be less than"),
+    "strategy's own range": (dict(strategy="rankdad", strategy_options='{"tol": 2.0}'), "tol=2.0 must be in [0, 1)"),
+    "optimizer NaN": (dict(optimizer='{"name": "sgd", "lr": NaN}'), "lr"),
+    "optimizer extra key": (dict(optimizer='{"name": "sgd", "lr": 0.1, "hook": "x"}'), "hook: Extra inputs"),
+    "run id with a newline": (dict(run_id="a\nforged line"), "'a\\nforged line'"),
+    "layout fingerprint": (dict(layout_fingerprint="zz" * 1000), "expected hex digits"),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_RUN_CONFIGS))
+def test_hostile_run_config_fields_are_refused_with_the_field(name):
+    fields, message = HOSTILE_RUN_CONFIGS[name]
+    site = demo_site_config()
+    with pytest.raises(RunRefused) as refused:
+        check_run_config(run_config(**fields), site, max_chunk_bytes=4 << 20)
+    assert message in str(refused.value)
+    assert "\n" not in str(refused.value) and len(str(refused.value)) < 400
+
+
+def test_workload_options_are_typed_and_the_model_size_is_bounded_before_allocation():
+    site = demo_site_config()
+    bad_type = check_run_config(run_config(workload_options='{"hidden": "16"}'), site, max_chunk_bytes=4 << 20)
+    with pytest.raises(RunRefused, match="hidden: Input should be a valid integer"):
+        build_workload(bad_type, site.limits)
+    unknown = check_run_config(run_config(workload_options='{"hidden": 16, "path": "/etc"}'), site, max_chunk_bytes=4 << 20)
+    with pytest.raises(RunRefused, match="has no option 'path'"):
+        build_workload(unknown, site.limits)
+    # 10^6 hidden units: ~10^12 parameters (4 TB) would be allocated; measured on the meta device instead
+    huge = check_run_config(run_config(workload_options='{"hidden": 1000000}'), site, max_chunk_bytes=4 << 20)
+    with pytest.raises(RunRefused, match=r"1,000,076,000,010 parameters, above limits.max_parameters"):
+        build_workload(huge, site.limits)
+
+
+# ---------------------------------------------------------------- config mistakes: one line each
+
+
+def invoke(*args: str):
+    result = CliRunner().invoke(app, list(args))
+    lines = error_lines(result.output)
+    assert len(lines) == 1 and "Traceback" not in result.output, result.output
+    return result.exit_code, lines[0]
+
+
+def server_toml(tmp: Path, listen: dict, **sections) -> Path:
+    return write_toml(tmp / "server.toml", {"run_dir": str(tmp / "run"), "listen": {"tokens": str(tmp / "tokens.json"), **listen}, **sections})
+
+
+@pytest.mark.parametrize(
+    "address, message",
+    [("localhost", "write host:port"), ("localhost:99999", "port 99999 is outside 0..65535"), (":50051", "write host:port")],
+)
+def test_listen_address_without_a_valid_port_is_refused(tmp_path, address, message):
+    path = server_toml(tmp_path, {"address": address})
+    code, line = invoke("server", "--config", str(path), "--insecure")
+    assert code == 2 and str(path) in line and "field 'listen.address'" in line and message in line
+
+
+def test_missing_and_corrupt_tokens_files_stop_the_server_at_start(tmp_path):
+    path = server_toml(tmp_path, {"address": "127.0.0.1:0"})
+    code, line = invoke("server", "--config", str(path), "--insecure")
+    assert code == 2 and str(path) in line and "listen.tokens" in line and "does not exist" in line and "dadfl enroll" in line
+    (tmp_path / "tokens.json").write_text('{"sites": {"a": {"sha256": 7}}}')
+    code, line = invoke("server", "--config", str(path), "--insecure")
+    assert code == 2 and "listen.tokens" in line and "re-enrol it" in line
+    (tmp_path / "tokens.json").write_text("{not json")
+    code, line = invoke("server", "--config", str(path), "--insecure")
+    assert code == 2 and "not a dadfl token file" in line
+
+
+@pytest.mark.parametrize(
+    "section, message",
+    [
+        ({"strategy": {"name": "rankdad", "options": {"rank": 0}}}, "rank=0 must be at least 1"),
+        ({"strategy": {"name": "dad", "options": {"downlnk": "dense"}}}, "dad options: downlnk: Extra inputs are not permitted"),
+        ({"strategy": {"name": "rankdad", "options": {"rank": "4"}}}, "rankdad options: rank: Input should be a valid integer"),
+        ({"workload": {"spec": "digits-mlp", "options": {"hiden": 3}}}, "has no option 'hiden'"),
+        ({"workload": {"spec": "digits-mlp", "options": {"hidden": 16.5}}}, "hidden: Input should be a valid integer"),
+        ({"optimizer": {"name": "sgd", "lr": -1.0}}, "field 'optimizer.lr'"),
+    ],
+)
+def test_bad_workload_and_strategy_options_stop_the_server_at_start(tmp_path, section, message):
+    write_tokens(tmp_path / "tokens.json", {})
+    path = server_toml(tmp_path, {"address": "127.0.0.1:0"}, **section)
+    code, line = invoke("server", "--config", str(path), "--insecure")
+    assert code == 2 and str(path) in line and message in line
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"device": "tpu"}, "field 'device'"),
+        ({"connect": {"server": "fl.example.org"}}, "field 'connect.server'"),
+        ({"allowed_workloads": ["os system"]}, "field 'allowed_workloads'"),
+        ({"data": {"source": "file", "path": "missing/site.npz"}}, "data.path missing/site.npz does not exist"),
+    ],
+)
+def test_site_config_mistakes_are_one_line_before_connecting(tmp_path, fields, message):
+    token = "s3cret-token-" + "x" * 30
+    path = site_toml(tmp_path, f"127.0.0.1:{free_port()}", token=token, **fields)  # nobody listens there
+    code, line = invoke("site", "--config", str(path), "--insecure")
+    assert code == 2 and str(path) in line and message in line and token not in line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda_is_refused_before_connecting(tmp_path):
+    path = site_toml(tmp_path, f"127.0.0.1:{free_port()}", device="cuda")
+    code, line = invoke("site", "--config", str(path), "--insecure")
+    assert code == 2 and "no CUDA device" in line and str(path) in line
+
+
+def test_an_invalid_short_token_is_not_echoed(tmp_path):
+    path = site_toml(tmp_path, "127.0.0.1:1", token="short-secret")
+    code, line = invoke("site", "--config", str(path), "--insecure")
+    assert code == 2 and "field 'token'" in line and "short-secret" not in line
+
+
+# ---------------------------------------------------------------- data checked before joining
+
+
+def digits_file(path: Path, rows: slice, change=None) -> Path:
+    """Real digits pixels as numpy leaves them: float64 inputs, int64 targets."""
+    digits = load_digits()
+    inputs, targets = digits.data[rows] / 16.0, digits.target[rows].copy()
+    if change:
+        inputs, targets = change(inputs, targets)
+    np.savez(path, inputs=inputs, targets=targets)
+    return path
+
+
+def test_float64_and_integer_npz_files_are_converted_and_train(tmp_path, caplog):
+    """numpy's defaults: site-0 has float64 pixels in [0, 1], site-1 the integer pixel levels
+    0..16 digits come as; both have int32 labels."""
+    caplog.set_level("INFO")
+    server = ServerThread(server_config(tmp_path, training={"steps": 4, "eval_every": 4, "checkpoint_every": 0})).start()
+    changes = [lambda x, y: (x, y.astype(np.int32)), lambda x, y: ((x * 16).astype(np.int64), y.astype(np.int32))]
+    sites = []
+    for index, (rows, change) in enumerate(zip((slice(0, 400), slice(400, 800)), changes)):
+        path = digits_file(tmp_path / f"site{index}.npz", rows, change)
+        sites.append(SiteThread(site_config(tmp_path, f"site-{index}", server.endpoint, index, 2, data={"source": "file", "path": str(path)})).start())
+    summaries = [site.join(SITE_TIMEOUT_S) for site in sites]
+    server.join()
+    assert [s.steps for s in summaries] == [4, 4]
+    conversions = sorted(r.getMessage() for r in caplog.records if r.name == "dadfl.site" and "converted" in r.getMessage())
+    assert len(conversions) == 2
+    assert "site0.npz: converted inputs torch.float64 -> torch.float32, targets torch.int32 -> torch.int64" in conversions[0]
+    assert "site1.npz: converted inputs torch.int64 -> torch.float32, targets torch.int32 -> torch.int64" in conversions[1]
+
+
+@pytest.mark.parametrize(
+    "name, change, message",
+    [
+        ("wrong feature count", lambda x, y: (x[:, :30], y), "the model's first layer takes 64 features"),
+        ("labels out of range", lambda x, y: (x, np.where(np.arange(len(y)) % 7 == 0, y + 10, y)), "58 of 400 rows hold labels outside 0..9"),
+        ("NaN inputs", lambda x, y: (np.where(np.arange(len(x))[:, None] == 3, np.nan, x), y), "1 of 400 rows of inputs hold NaN or Inf"),
+        ("text targets", lambda x, y: (x, y.astype(str)), "targets are <U21 values, not numbers"),
+    ],
+)
+def test_bad_data_is_refused_before_joining_with_one_line(tmp_path, caplog, name, change, message):
+    caplog.set_level("INFO")
+    server = ServerThread(server_config(tmp_path, training={"steps": 2}, federation={"min_sites": 1, "quorum_timeout_s": 10, "linger_s": 0})).start()
+    data = digits_file(tmp_path / "bad.npz", slice(0, 400), change)
+    token = enroll(tmp_path / "tokens.json", "hospital-a")
+    path = site_toml(tmp_path, server.endpoint, token=token, data={"source": "file", "path": str(data)})
+    code, line = invoke("site", "--config", str(path), "--insecure")
+    assert code == 2 and f"data.path {data}" in line and message in line and str(path) in line
+    assert token not in caplog.text + line
+    assert not [v for v in data_value_strings(data) if v in caplog.text + line], "a data value was printed"
+    assert not any("joined" in r.getMessage() for r in caplog.records if r.name == "dadfl.server")
+
+
+# ---------------------------------------------------------------- secrets and data values never printed
+
+
+CRASH_WORKLOAD = """\
+from dataclasses import replace
+
+from dadfl.workloads.digits import mlp
+
+CALLS = [0]
+
+
+def build(hidden: int = 16):
+    workload = mlp(hidden=hidden)
+
+    def loss(outputs, targets):
+        CALLS[0] += 1
+        if CALLS[0] > 3:  # the probe and two steps, then the site crashes mid-run
+            raise RuntimeError("the hospital's loss failed")
+        return workload.loss(outputs, targets)
+
+    return replace(workload, loss=loss)
+"""
+
+
+def data_value_strings(path: Path, count: int = 40) -> set[str]:
+    """How the file's values would look in a traceback or a printed tensor."""
+    with np.load(path) as arrays:
+        values = [float(v) for v in arrays["inputs"].reshape(-1) if np.isfinite(v) and v not in (0.0, 1.0)][:count]
+    return {f"{v:.4f}" for v in values} | {f"{v:.4e}" for v in values} | {repr(v) for v in values}
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["plain", "--debug"])
+def test_a_site_crash_prints_no_token_and_no_data_value(tmp_path, debug):
+    (tmp_path / "crash_wl.py").write_text(CRASH_WORKLOAD)
+    config = server_config(
+        tmp_path, workload={"spec": "crash_wl:build", "options": {"hidden": 16}},
+        training={"steps": 50, "eval_every": 50}, federation={"min_sites": 1, "quorum_timeout_s": 30, "phase_timeout_s": 30, "linger_s": 0},
+    )
+    sys.path.insert(0, str(tmp_path))  # the coordinator in this process builds the same workload
+    try:
+        server = ServerThread(config).start()
+    finally:
+        sys.path.remove(str(tmp_path))
+    data = digits_file(tmp_path / "site.npz", slice(0, 300))
+    token = enroll(tmp_path / "tokens.json", "hospital-a")
+    path = site_toml(tmp_path, server.endpoint, token=token, data={"source": "file", "path": str(data)}, allowed_workloads=["crash_wl:build"])
+    result = run_site_process(path, *(["--debug"] if debug else []), pythonpath=tmp_path)
+    assert result.returncode == 1, result.stderr
+    [line] = error_lines(result.stderr)
+    assert "RuntimeError: the hospital's loss failed" in line
+    assert ("Traceback" in result.stderr) == debug
+    assert token not in result.stderr + result.stdout
+    leaked = [s for s in data_value_strings(data) if s in result.stderr + result.stdout]
+    assert not leaked, f"data values printed: {leaked[:5]}"
+
+
+# ---------------------------------------------------------------- hostile hellos and garbage at the coordinator
+
+
+def raw_join(endpoint: str, messages) -> grpc.RpcError | None:
+    channel = grpc.insecure_channel(endpoint)
+    join = channel.stream_stream(
+        "/dadfl.v1.Coordinator/Join",
+        request_serializer=lambda m: m if isinstance(m, bytes) else m.SerializeToString(),
+        response_deserializer=cpb.ServerMessage.FromString,
+    )
+    try:
+        for _ in join(messages, timeout=30):
+            pass
+    except grpc.RpcError as error:
+        return error
+    finally:
+        channel.close()
+    return None
+
+
+def test_hostile_hellos_and_garbage_get_error_statuses_and_clean_log_lines(tmp_path, caplog):
+    caplog.set_level("INFO")
+    config = server_config(tmp_path, training={"steps": 2}, federation={"min_sites": 1, "quorum_timeout_s": 30, "linger_s": 0})
+    server = ServerThread(config).start()
+    forged = raw_join(server.endpoint, iter([cpb.SiteMessage(hello=cpb.Hello(site_id="a\nWARNING forged", token="x", protocol_version=1))]))
+    huge = raw_join(server.endpoint, iter([cpb.SiteMessage(hello=cpb.Hello(site_id="b" * 65536, token="x", protocol_version=1))]))
+    for error in (forged, huge):
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "site id must be 1-64 letters" in error.details()
+        assert "forged" not in error.details() and len(error.details()) < 200
+    garbage_first = raw_join(server.endpoint, iter([b"\xff\xfe not a protobuf"]))
+    assert garbage_first.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a dadfl message" in garbage_first.details()
+
+    token = enroll(tmp_path / "tokens.json", "hospital-a")
+    config_seen = threading.Event()
+    layout = []
+
+    def after_handshake():
+        yield cpb.SiteMessage(hello=cpb.Hello(site_id="hospital-a", token=token, protocol_version=1))
+        config_seen.wait(30)
+        yield cpb.SiteMessage(ready=cpb.Ready(layout_fingerprint=layout[0]))
+        yield b"\xff\xfe not a protobuf"
+
+    channel = grpc.insecure_channel(server.endpoint)
+    join = channel.stream_stream(
+        "/dadfl.v1.Coordinator/Join", request_serializer=lambda m: m if isinstance(m, bytes) else m.SerializeToString(),
+        response_deserializer=cpb.ServerMessage.FromString,
+    )
+    with pytest.raises(grpc.RpcError) as after:
+        for message in join(after_handshake(), timeout=30):
+            if message.WhichOneof("kind") == "config":
+                layout.append(message.config.layout_fingerprint)
+                config_seen.set()
+    channel.close()
+    assert after.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a dadfl message" in after.value.details()
+
+    server_lines = [r for r in caplog.records if r.name.startswith(("dadfl", "grpc"))]
+    assert not [r for r in server_lines if r.exc_info], "no traceback in the coordinator's log"
+    messages = [r.getMessage() for r in server_lines]
+    assert all("\n" not in m and len(m) < 1000 for m in messages)
+    assert any("site id 'a\\nWARNING forged' is not a valid site id" in m for m in messages)
+    assert any("b" * 80 + "'... (65536 characters)" in m for m in messages)
+    assert any("sent bytes that are not a dadfl message" in m for m in messages)
+
+
+class Float64Rows(torch.utils.data.Dataset):
+    """A site's own Dataset as numpy users write one: float64 rows, plain int labels."""
+
+    def __init__(self, labels_offset: int = 0):
+        digits = load_digits()
+        self.inputs, self.targets = digits.data[:100] / 16.0, digits.target[:100] + labels_offset
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, i: int):
+        return torch.from_numpy(self.inputs[i]), int(self.targets[i])
+
+
+def test_a_sites_own_dataset_is_converted_and_probed_like_a_file():
+    from dadfl.client.data_checks import check_batches
+    from dadfl.workloads import StepBatches, load_workload
+
+    workload = load_workload("digits-mlp", hidden=16)
+    model = workload.build_model()
+    checked = check_batches(model, workload.loss, StepBatches(Float64Rows(), 16, seed=3), "data.factory x:y", torch.device("cpu"))
+    inputs, targets = checked.at(5)
+    assert inputs.dtype == torch.float32 and targets.dtype == torch.int64 and inputs.shape == (16, 64)
+    with pytest.raises(DataMismatch, match=r"data.factory x:y: 16 of 16 rows hold labels outside 0..9"):
+        check_batches(model, workload.loss, StepBatches(Float64Rows(labels_offset=10), 16, seed=3), "data.factory x:y", torch.device("cpu"))
