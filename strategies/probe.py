@@ -102,11 +102,11 @@ def _candidate(name: str, params: dict[str, torch.Tensor], calls: Sequence[Call]
         out_per_group, in_per_group = weight.shape[0], weight.shape[1]
     else:
         out_per_group, in_per_group = weight.shape[0] // group_count, weight[0].numel()
-    biases = {(c.bias, c.bias_rows) for c in calls if c.kind != LOOKUP}
+    biases = {c.bias for c in calls if c.kind != LOOKUP}
     # Σ D is the bias gradient only if every linear/conv call added the same bias, sliced as its weight.
     bias = None
-    if matmul and len(biases) == 1 and all(c.bias is not None and c.bias_rows == c.rows for c in calls if c.kind != LOOKUP):
-        bias = next(iter(biases))[0]
+    if matmul and len(biases) == 1 and all(c.bias_rows == c.rows for c in calls if c.kind != LOOKUP):
+        bias = next(iter(biases))
     return (
         CapturedLayer(
             module=name.removesuffix(".weight"),
