@@ -85,6 +85,9 @@ class CallRecorder(TorchFunctionMode):
 
     ``refused`` names the parameters called in a form capture cannot reproduce exactly
     (autocast's mixed dtypes, ``max_norm``/``scale_grad_by_freq``/``sparse`` lookups), with why.
+    ``uses`` names, per parameter, the other functions whose differentiable results read it
+    (``torch.Tensor.t`` for a decoder's ``F.linear(z, W.t())``); views of a parameter are
+    followed to where they are used.
     """
 
     def __init__(self, params: dict[int, tuple[str, torch.Tensor]], raw_inputs: Sequence = ()):
@@ -93,6 +96,8 @@ class CallRecorder(TorchFunctionMode):
         self.raw_storages = {t.untyped_storage().data_ptr() for t in raw_inputs if torch.is_tensor(t)}
         self.calls: dict[str, list[Call]] = {}
         self.refused: dict[str, str] = {}
+        self.uses: dict[str, set[str]] = {}
+        self._views: dict[int, tuple[str, torch.Tensor, str]] = {}  # id -> (parameter, view kept alive, made by)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -101,10 +106,36 @@ class CallRecorder(TorchFunctionMode):
             with self:
                 return opened(*args, **kwargs)
         out = func(*args, **kwargs)
+        if not torch.is_grad_enabled():
+            return out
         kind = CAPTURED_CALLS.get(func)
-        if kind is not None and torch.is_grad_enabled() and torch.is_tensor(out) and out.requires_grad:
-            self._record(kind, args, kwargs, out)
+        captured = kind is not None and torch.is_tensor(out) and out.requires_grad and self._record(kind, args, kwargs, out)
+        if not captured:
+            self._note_uses(func, args, kwargs, out)
         return out
+
+    def _note_uses(self, func, args: tuple, kwargs: dict, out) -> None:
+        function = torch.overrides.resolve_name(func) or repr(func)
+        sources = {}  # parameter -> how this call reads it
+        for value in (*args, *kwargs.values()):
+            for item in value if isinstance(value, (tuple, list)) else (value,):
+                if torch.is_tensor(item):
+                    if id(item) in self.params:
+                        sources[self.params[id(item)][0]] = function
+                    elif id(item) in self._views:
+                        name, _, made_by = self._views[id(item)]
+                        sources[name] = f"{function} of its {made_by} view"
+        if not sources:
+            return
+        for result in out if isinstance(out, (tuple, list)) else (out,):
+            if not (torch.is_tensor(result) and result.requires_grad):
+                continue
+            base = result._base
+            if base is not None and id(base) in self.params:  # a view: followed to its use
+                self._views[id(result)] = (self.params[id(base)][0], result, function)
+            else:
+                for name, how in sources.items():
+                    self.uses.setdefault(name, set()).add(how)
 
     def _parameter(self, tensor, whole_only: bool) -> tuple[str, tuple[int, int] | None] | None:
         """(name, row block) when ``tensor`` is a recorded parameter or a block of its rows."""
@@ -113,7 +144,7 @@ class CallRecorder(TorchFunctionMode):
         if id(tensor) in self.params:
             return self.params[id(tensor)][0], None
         base = tensor._base
-        if whole_only or base is None or id(base) not in self.params:
+        if whole_only or base is None or id(base) not in self.params or id(tensor) not in self._views:
             return None
         # A block of whole rows (what split/chunk of dim 0 gives): same strides, whole rows.
         row_stride = base.stride(0) if base.dim() else 1
@@ -129,22 +160,23 @@ class CallRecorder(TorchFunctionMode):
         start = offset // row_stride
         return self.params[id(base)][0], (start, start + tensor.shape[0])
 
-    def _record(self, kind: str, args: tuple, kwargs: dict, out: torch.Tensor) -> None:
+    def _record(self, kind: str, args: tuple, kwargs: dict, out: torch.Tensor) -> bool:
+        """Record one call if its weight is a recorded parameter (or a block of its rows)."""
         bound = dict(DEFAULTS)
         bound.update(zip(ARGUMENTS[kind], args))
         bound.update(kwargs)
         found = self._parameter(bound["weight"], whole_only=kind != "linear")
         if found is None:
-            return
+            return False
         name, rows = found
         weight, x = bound["weight"], bound["input"]
         if kind == LOOKUP:
             if bound["max_norm"] is not None or bound["scale_grad_by_freq"] or bound["sparse"]:
                 self.refused[name] = "looked up with max_norm, scale_grad_by_freq or sparse=True"
-                return
+                return True
         elif x.dtype != weight.dtype or out.dtype != weight.dtype:
             self.refused[name] = f"a {kind} call computes in {out.dtype} while the weight is {weight.dtype} (autocast)"
-            return
+            return True
         raw = x.untyped_storage().data_ptr() in self.raw_storages
         if kind == LOOKUP:
             padding = bound["padding_idx"]
@@ -172,6 +204,7 @@ class CallRecorder(TorchFunctionMode):
                 call.delta = grad.flatten(2).transpose(1, 2).reshape(-1, grad.shape[1])
 
         out.register_hook(record)
+        return True
 
 
 def _input_rows(kind: str, x: torch.Tensor, weight: torch.Tensor, bound: dict) -> torch.Tensor:
@@ -271,6 +304,9 @@ class FactorCapture:
             problem = self.recorder.refused.get(layer.weight)
             if problem is None and calls and not set(call_forms(calls)) <= set(layer.forms):
                 problem = f"called as {', '.join(call_forms(calls))} where the layout verified {', '.join(layer.forms)}"
+            new_uses = self.recorder.uses.get(layer.weight, set()) - set(layer.uses)
+            if problem is None and new_uses:
+                problem = f"also used by {', '.join(sorted(new_uses))}, which the probe did not see"
             if problem is None and any(c.raw for c in calls) and not layer.raw_input:
                 problem = "read the raw input this step"
             if problem is not None:

@@ -37,6 +37,9 @@ class CapturedLayer:
     weight_shape: tuple[int, ...]
     raw_input: bool
     forms: tuple[str, ...] = ("linear",)  # the call kinds verified: linear, conv1d, conv2d, embedding
+    # Other functions that read the weight on the probe without changing its gradient (their
+    # results do not reach the output); a step where something else reads it sends it dense.
+    uses: tuple[str, ...] = ()
 
     @property
     def in_features(self) -> int:

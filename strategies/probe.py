@@ -64,7 +64,7 @@ def probe_layers(
         if name in recorder.refused:
             reasons[name] = recorder.refused[name]
         elif calls:
-            layer, why = _candidate(name, params, calls)
+            layer, why = _candidate(name, params, calls, sorted(recorder.uses.get(name, ())))
             if layer is not None:
                 layer, refused = _verify(layer, calls, autograd)
                 reasons.update(refused)
@@ -87,7 +87,9 @@ def _tensors(value) -> list[torch.Tensor]:
     return []
 
 
-def _candidate(name: str, params: dict[str, torch.Tensor], calls: Sequence[Call]) -> tuple[CapturedLayer | None, str]:
+def _candidate(
+    name: str, params: dict[str, torch.Tensor], calls: Sequence[Call], uses: Sequence[str]
+) -> tuple[CapturedLayer | None, str]:
     """The layer the calls describe, or None and why they cannot be one."""
     weight = params[name]
     forms = call_forms(calls)
@@ -118,6 +120,7 @@ def _candidate(name: str, params: dict[str, torch.Tensor], calls: Sequence[Call]
             weight_shape=tuple(weight.shape),
             raw_input=any(c.raw for c in calls),
             forms=forms,
+            uses=tuple(uses),
         ),
         "",
     )
@@ -136,10 +139,10 @@ def _verify(layer: CapturedLayer, calls: Sequence[Call], autograd: dict) -> tupl
     rtol = RTOL.get(weight.dtype, 1e-5)
     error = _relative_error(weight, autograd[layer.weight], weight_scale)
     if error > rtol:
+        elsewhere = f"also used by {', '.join(layer.uses)}" if layer.uses else "its calls are altered in a way capture cannot see"
         return None, {layer.weight: (
             f"the gradient rebuilt from its linear/conv/embedding calls differs from autograd's "
-            f"(relative error {error:.2g} > {rtol:g}): it is also used outside those calls, or its "
-            "calls are altered in a way capture cannot see"
+            f"(relative error {error:.2g} > {rtol:g}): {elsewhere}"
         )}
     if bias is not None:
         error = _relative_error(bias, autograd[layer.bias], bias_scale)

@@ -163,3 +163,29 @@ def test_validator_checks_embedding_ids_and_rows():
         submit({**payload.tensors, "embed:ids": payload.tensors["embed:ids"].long()})
     with pytest.raises(PayloadError, match="one row per id"):
         submit({**payload.tensors, "embed:rows": payload.tensors["embed:rows"][1:]})
+
+
+class SometimesTied(nn.Module):
+    """Reads its first weight outside the call only for batches of 4 or more samples."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(12, 8), nn.Linear(8, 5)
+
+    def forward(self, x):
+        hidden = torch.tanh(self.first(x))
+        if len(x) >= 4:
+            hidden = hidden + self.first.weight.sum(dim=1)
+        return self.second(hidden)
+
+
+def test_a_use_the_probe_did_not_see_sends_the_layer_dense_that_step(caplog):
+    torch.manual_seed(0)
+    model = SometimesTied()
+    batches = site_batches("mlp", sizes=(2, 5))  # the layout's probe sees the 2-sample batch
+    reference = reference_update(model, per_sample_cross_entropy, batches)
+    with caplog.at_level(logging.WARNING, logger="dadfl.capture"):
+        update = step_update(make_strategy("dad", raw_input="activations"), model, per_sample_cross_entropy, batches)
+    assert any("'first' travels dense this step: also used by torch.Tensor.sum" in r.getMessage() for r in caplog.records)
+    for name, ref in reference.items():
+        assert float((update[name] - ref).norm() / ref.norm()) <= 1e-5, name
