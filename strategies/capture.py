@@ -70,9 +70,9 @@ class Call:
 
     kind: str  # "linear", "conv1d", "conv2d" or "embedding"
     weight: str
-    rows: tuple[int, int] | None  # the block of the weight's output rows this call used; None: all
+    row_block: tuple[int, int] | None  # the weight's output rows this call used; None: all
     bias: str | None
-    bias_rows: tuple[int, int] | None
+    bias_block: tuple[int, int] | None
     groups: int
     inputs: torch.Tensor  # A rows (n, G·k), or ids (n,) for a lookup
     raw: bool  # reads the model's raw input
@@ -257,11 +257,11 @@ def layer_factors(layer: CapturedLayer, calls: Sequence[Call]) -> Factors | None
     if matmuls:
         deltas = []
         for call in matmuls:
-            if call.rows is None:
+            if call.row_block is None:
                 deltas.append(call.delta)
             else:  # a block of the weight's rows: Δ of the others is zero
                 padded = call.delta.new_zeros(call.delta.shape[0], layer.out_features)
-                padded[:, call.rows[0] : call.rows[1]] = call.delta
+                padded[:, call.row_block[0] : call.row_block[1]] = call.delta
                 deltas.append(padded)
         A = by_group(torch.cat([c.inputs for c in matmuls]), layer.groups)
         D = by_group(torch.cat(deltas), layer.groups)

@@ -107,7 +107,7 @@ def _candidate(
     biases = {c.bias for c in calls if c.kind != LOOKUP}
     # Σ D is the bias gradient only if every linear/conv call added the same bias, sliced as its weight.
     bias = None
-    if matmul and len(biases) == 1 and all(c.bias_rows == c.rows for c in calls if c.kind != LOOKUP):
+    if matmul and len(biases) == 1 and all(c.bias_block == c.row_block for c in calls if c.kind != LOOKUP):
         bias = next(iter(biases))
     return (
         CapturedLayer(
