@@ -115,18 +115,18 @@ class CallRecorder(TorchFunctionMode):
         return out
 
     def _note_uses(self, func, args: tuple, kwargs: dict, out) -> None:
-        function = torch.overrides.resolve_name(func) or repr(func)
-        sources = {}  # parameter -> how this call reads it
+        sources = {}  # parameter -> the function that made the view it is read through (None: direct)
         for value in (*args, *kwargs.values()):
             for item in value if isinstance(value, (tuple, list)) else (value,):
                 if torch.is_tensor(item):
                     if id(item) in self.params:
-                        sources[self.params[id(item)][0]] = function
+                        sources[self.params[id(item)][0]] = None
                     elif id(item) in self._views:
                         name, _, made_by = self._views[id(item)]
-                        sources[name] = f"{function} of its {made_by} view"
+                        sources[name] = made_by
         if not sources:
             return
+        function = torch.overrides.resolve_name(func) or repr(func)
         for result in out if isinstance(out, (tuple, list)) else (out,):
             if not (torch.is_tensor(result) and result.requires_grad):
                 continue
@@ -134,8 +134,8 @@ class CallRecorder(TorchFunctionMode):
             if base is not None and id(base) in self.params:  # a view: followed to its use
                 self._views[id(result)] = (self.params[id(base)][0], result, function)
             else:
-                for name, how in sources.items():
-                    self.uses.setdefault(name, set()).add(how)
+                for name, made_by in sources.items():
+                    self.uses.setdefault(name, set()).add(function if made_by is None else f"{function} of its {made_by} view")
 
     def _parameter(self, tensor, whole_only: bool) -> tuple[str, tuple[int, int] | None] | None:
         """(name, row block) when ``tensor`` is a recorded parameter or a block of its rows."""
