@@ -34,8 +34,12 @@ the server, whose re-reduction is a second lossy compression, keeps what *it* dr
 without the server memory the re-reduction loses that information for good and
 training stalls below dSGD's accuracy.
 
+**Embeddings.** A captured embedding table (tied to a head or not) is power-iterated on
+its lookups by gather/scatter (``power_iteration.Lookups``), never forming the one-hot
+or the table's gradient for the power step.
+
 **Other matrices.** Matrix-shaped parameters that no factor capture covers (learned
-positions, raw ``nn.Parameter`` matrices, weights tied across modules), viewed as
+positions, raw ``nn.Parameter`` matrices, weights the probe sends dense), viewed as
 shape[0] × rest as PowerSGD does, are compressed the same way from their dense
 gradient (``dense_power_iteration``, same memories) whenever r'·(m + k) < m·k; else
 they travel dense. Since the layout cannot tell whether such a parameter reads the raw
