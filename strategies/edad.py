@@ -148,6 +148,11 @@ class EDADSite(Stateless):
     def begin(self, local: LocalResult, step: int) -> Payload:
         tensors = dense_upload(local, self.dense, self.layout.buffers)
         for layer in self.factored:
+            if layer.module not in local.factors:
+                raise ValueError(
+                    f"edad: layer {layer.module!r} was not captured this step (see the log for why), and "
+                    "edad cannot recompute the deltas below it; use 'dad' or 'auto' for this model"
+                )
             tensors[tensor_key(layer.module, "A")] = local.factors[layer.module].A
         if self.output in self.factored:
             tensors[tensor_key(self.output.module, "D")] = local.factors[self.output.module].D
