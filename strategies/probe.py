@@ -53,7 +53,9 @@ def probe_layers(
                 return [], {}
             generator = torch.Generator().manual_seed(PROBE_SEED)
             cotangents = [torch.randn(t.shape, generator=generator, dtype=t.dtype).to(t.device) for t in ends]
-            grads = torch.autograd.grad(ends, [p for _, p in trainable], cotangents, allow_unused=True)
+            # Σ ⟨output, cotangent⟩ backpropagates exactly the cotangents.
+            probe_loss = sum((t * c).sum() for t, c in zip(ends, cotangents))
+            grads = torch.autograd.grad(probe_loss, [p for _, p in trainable], allow_unused=True)
     finally:
         model.train(was_training)
     autograd = {name: g for (name, _), g in zip(trainable, grads)}
