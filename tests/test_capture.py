@@ -8,8 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dadfl.protos.codec import Assembled, encode_header
-from dadfl.server.validate import PayloadError, UploadCheck
+from dadfl.strategies.checks import ModelFacts
 from dadfl.strategies import Layout, apply_update, local_step, make_strategy, reference_update, step_update
 from dadfl.strategies.step import exchange
 
@@ -143,26 +142,26 @@ def test_autocast_calls_travel_dense_with_the_reason():
         torch.testing.assert_close(update[name], ref, rtol=1e-5, atol=1e-7)
 
 
-def test_validator_checks_embedding_ids_and_rows():
-    layout, _, sites, locals_, _, _ = run_site("gru", (3, 2), raw_input="activations")
+def test_strategy_checks_embedding_ids_and_rows():
+    layout, batches, sites, locals_, _, _ = run_site("gru", (3, 2), raw_input="activations")
     model = build("gru")
-    check = UploadCheck(layout, model)
+    strategy = make_strategy("dad", raw_input="activations")
+    facts = ModelFacts.from_model(model, layout, batches[0][0])
+    assert facts.lookups_per_sample["embed"] == 5, "one lookup per token"
     payload = sites[0].begin(locals_[0], 0)
 
-    def submit(tensors):
+    def reasons(tensors):
         bad = type(payload)(0, 0, payload.num_samples, tensors)
-        header, _ = encode_header(bad, base_fingerprint="f", attempt=0)
-        check.check(Assembled(bad, header), 0, 0, 0, "f", 8)
+        return [r.reason for r in strategy.check_uploads(layout, facts, 0, 0, [bad], [], model)]
 
-    submit(dict(payload.tensors))
+    assert reasons(dict(payload.tensors)) == []
     ids = payload.tensors["embed:ids"].clone()
     ids[0] = 7  # the table has 7 rows
-    with pytest.raises(PayloadError, match="ids outside 0..6"):
-        submit({**payload.tensors, "embed:ids": ids})
-    with pytest.raises(PayloadError, match="dtype torch.int64, expected torch.int32"):
-        submit({**payload.tensors, "embed:ids": payload.tensors["embed:ids"].long()})
-    with pytest.raises(PayloadError, match="one row per id"):
-        submit({**payload.tensors, "embed:rows": payload.tensors["embed:rows"][1:]})
+    assert "values outside 0..6" in reasons({**payload.tensors, "embed:ids": ids})[0]
+    assert "dtype torch.int64, expected torch.int32" in reasons({**payload.tensors, "embed:ids": ids.long()})[0]
+    assert "lookups along dimension 0" in reasons({**payload.tensors, "embed:rows": payload.tensors["embed:rows"][1:]})[0]
+    many = {**payload.tensors, "embed:ids": torch.cat([ids[:1] * 0] * 16), "embed:rows": payload.tensors["embed:rows"][:1].repeat(16, 1)}
+    assert "makes at most 15" in reasons(many)[0]
 
 
 class SometimesTied(nn.Module):
