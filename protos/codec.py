@@ -26,7 +26,7 @@ from dadfl.strategies.base import Payload, split_key
 from . import tensor_pb2 as pb
 
 CODECS = {"none": pb.RAW, "fp16": pb.FP16, "bf16": pb.BF16}
-FACTOR_ROLES = frozenset({"A", "D", "P", "Q"})
+FACTOR_ROLES = frozenset({"A", "D", "rows", "P", "Q"})
 DEFAULT_CHUNK_BYTES = 1 << 20
 
 DTYPES = {

@@ -7,6 +7,9 @@ convolution positions. ``auto`` decides per layer and per step, on each side:
     up   = min(n_s·G·(k + m),  G·k·m + G·m)            per site (site decides on n_s)
     down = min(N·G·(k + m),    G·k·m + G·m)            factors only if every site sent them
 
+counted in bytes, so an embedding's lookups cost n_s·(4 + d·4) bytes in fp32 (int32 ids)
+against V·d·4 for its dense gradient (a tied head adds its rows to the factor side).
+
 Both forms are exact, so the update equals dSGD's whatever is chosen. Uncovered
 parameters and buffers travel dense. Reveals what dAD reveals for layers sent as
 factors and what dSGD reveals for the rest; the raw-input guard of dAD applies.
@@ -16,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import Strategy, check_raw_input, may_share
-from .dad import FactorServer, FactorSite, dense_cost, factor_cost, factor_units
+from .base import Factors, Strategy, check_raw_input, may_share
+from .dad import FactorServer, FactorSite, dense_nbytes, factor_units
 from .layout import CapturedLayer, Layout
 
 
@@ -29,8 +32,9 @@ class Auto(Strategy):
     def __post_init__(self) -> None:
         check_raw_input(self.raw_input)
 
-    def sends_factors(self, layer: CapturedLayer, rows: int) -> bool:
-        return may_share(layer, self.raw_input, "activations") and factor_cost(layer, rows) < dense_cost(layer)
+    def sends_factors(self, layer: CapturedLayer, factors: Factors) -> bool:
+        itemsize = next(t.element_size() for t in (factors.A, factors.rows) if t is not None)
+        return may_share(layer, self.raw_input, "activations") and factors.nbytes() < dense_nbytes(layer, itemsize)
 
     def site(self, layout: Layout, model=None) -> FactorSite:
         return FactorSite(layout, self.sends_factors)

@@ -80,14 +80,26 @@ class LocalResult:
 
 @dataclass
 class Factors:
-    """Rows of one captured layer: ``A`` (G, n, k) inputs and ``D`` (G, n, m) output deltas.
+    """One captured layer's rows: ``A`` (G, n, k) inputs and ``D`` (G, n, m) output deltas of
+    its linear/conv calls, and ``ids`` (n',) with ``rows`` (n', k) of its lookups.
 
     G is the number of groups (1 for Linear); the weight gradient of group g is
-    ``D[g].T @ A[g]`` (m × k), reshaped to the weight's shape.
+    ``D[g].T @ A[g]`` (m × k), reshaped to the weight's shape, plus ``rows`` added at the
+    table rows ``ids`` (``weight_from_lookups``). Either part may be None.
     """
 
-    A: torch.Tensor
-    D: torch.Tensor
+    A: torch.Tensor | None = None
+    D: torch.Tensor | None = None
+    ids: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
+
+    def tensors(self, key: str) -> dict[str, torch.Tensor]:
+        """The payload entries of these factors under layer name ``key``."""
+        parts = {"A": self.A, "D": self.D, IDS_ROLE: self.ids, ROWS_ROLE: self.rows}
+        return {tensor_key(key, role): t for role, t in parts.items() if t is not None}
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.A, self.D, self.ids, self.rows) if t is not None)
 
 
 StateDict = dict[str, torch.Tensor]
@@ -258,10 +270,14 @@ def may_share(layer: CapturedLayer, raw_input: str, form: str) -> bool:
 
 BUFFER_ROLE = "buffer"
 GRAD_ROLE = "grad"
+IDS_ROLE = "ids"  # an embedding's looked-up ids (int32, or int64 for a table beyond 2³¹ rows)
+ROWS_ROLE = "rows"  # the Δ rows of those lookups
 
 
 def dense_upload(local: LocalResult, names: Sequence[str], buffers: Sequence[str]) -> dict[str, torch.Tensor]:
-    tensors = {tensor_key(name, GRAD_ROLE): local.grads[name] for name in names}
+    """Gradients (sum units) of ``names`` that received one, and buffers. A parameter with
+    no gradient is left out: if no site has one, it gets no update, as in plain autograd."""
+    tensors = {tensor_key(name, GRAD_ROLE): local.grads[name] for name in names if name in local.grads}
     for name in buffers:
         value = local.buffers[name]
         # Integer buffers (num_batches_tracked) are identical on every replica: one copy.
@@ -274,7 +290,9 @@ def dense_aggregate(payloads: Sequence[Payload], names: Sequence[str], buffers: 
     out: dict[str, torch.Tensor] = {}
     for name in names:
         key = tensor_key(name, GRAD_ROLE)
-        out[key] = sum_in_order([p.tensors[key] for p in payloads]) / total
+        present = [p.tensors[key] for p in payloads if key in p.tensors]
+        if present:  # a site without it had no gradient: it adds nothing
+            out[key] = sum_in_order(present) / total
     for name in buffers:
         key = tensor_key(name, BUFFER_ROLE)
         first = payloads[0].tensors[key]
@@ -286,7 +304,7 @@ def dense_aggregate(payloads: Sequence[Payload], names: Sequence[str], buffers: 
 
 
 def dense_update(message: Payload, names: Sequence[str], buffers: Sequence[str]) -> dict[str, torch.Tensor]:
-    update = {name: message.tensors[tensor_key(name, GRAD_ROLE)] for name in names}
+    update = {name: message.tensors[key] for name in names if (key := tensor_key(name, GRAD_ROLE)) in message.tensors}
     for name in buffers:
         update[tensor_key(name, BUFFER_ROLE)] = message.tensors[tensor_key(name, BUFFER_ROLE)]
     return update
@@ -310,6 +328,26 @@ def weight_from_factors(A: torch.Tensor, D: torch.Tensor, shape: torch.Size) -> 
     return torch.bmm(D.transpose(1, 2), A).reshape(shape)
 
 
+def weight_from_lookups(ids: torch.Tensor, rows: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """onehot(ids)ᵀ rows, by a scatter-add into the table's shape: an embedding's gradient."""
+    return rows.new_zeros(tuple(shape)).index_add_(0, ids.long(), rows)
+
+
+def layer_gradient(layer: CapturedLayer, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(weight, bias) gradients, sum units, from one layer's factor entries in ``tensors``
+    (keys ``"<layer>:A"``, ``":D"``, ``":ids"``, ``":rows"``); None where nothing is there."""
+    A, D = tensors.get(tensor_key(layer.module, "A")), tensors.get(tensor_key(layer.module, "D"))
+    ids, rows = tensors.get(tensor_key(layer.module, IDS_ROLE)), tensors.get(tensor_key(layer.module, ROWS_ROLE))
+    weight = bias = None
+    if A is not None and D is not None:
+        weight = weight_from_factors(A, D, layer.weight_shape)
+        bias = bias_from_deltas(D) if layer.bias else None
+    if ids is not None and rows is not None:
+        lookups = weight_from_lookups(ids, rows, layer.weight_shape)
+        weight = lookups if weight is None else weight + lookups
+    return weight, bias
+
+
 def bias_from_deltas(D: torch.Tensor) -> torch.Tensor:
     """Σ_rows D per group, groups concatenated: the bias gradient."""
     return D.sum(dim=1).reshape(-1)
@@ -319,7 +357,7 @@ def numel(shape: Sequence[int]) -> int:
     return math.prod(shape)
 
 
-FACTOR_ROLES = ("A", "D")
+FACTOR_ROLES = ("A", "D", IDS_ROLE, ROWS_ROLE)
 LOW_RANK_ROLES = ("P", "Q")
 
 
@@ -338,12 +376,12 @@ def decode_message(layout: Layout, message: Payload) -> dict[str, torch.Tensor]:
             update[key] = tensor
     total = message.num_samples
     for layer in layout.layers:
-        a_key, p_key = tensor_key(layer.module, "A"), tensor_key(layer.module, "P")
-        if a_key in message.tensors:
-            A, D = message.tensors[a_key], message.tensors[tensor_key(layer.module, "D")]
-            update[layer.weight] = weight_from_factors(A, D, layer.weight_shape) / total
-            if layer.bias is not None:
-                update[layer.bias] = bias_from_deltas(D) / total
+        p_key = tensor_key(layer.module, "P")
+        weight, bias = layer_gradient(layer, message.tensors)
+        if weight is not None:
+            update[layer.weight] = weight / total
+            if bias is not None:
+                update[layer.bias] = bias / total
         elif p_key in message.tensors:
             P, Q = message.tensors[p_key], message.tensors[tensor_key(layer.module, "Q")]
             update[layer.weight] = torch.bmm(P, Q.transpose(1, 2)).reshape(layer.weight_shape) / total

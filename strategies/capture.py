@@ -1,52 +1,240 @@
-"""Factor capture: the inputs A and output deltas Δ of every call of every captured layer.
+"""Factor capture: the inputs A and output deltas Δ of every linear, conv and embedding call.
 
 For y = x Wᵀ + b the summed loss has ∂L/∂W = Δᵀ A, with A the rows of x and Δ the rows of
 ∂L/∂y. Leading dimensions (batch × time) flatten to rows. A convolution is the same
 map applied to unfolded patches: A has one row per (sample, output position) and, for
-``groups=G``, splits into G independent blocks (G, n, k). A module called T times in
-one forward (recurrent cells, reuse) contributes the rows of all T calls.
+``groups=G``, splits into G independent blocks (G, n, k). An embedding lookup E[ids] is
+onehot(ids)·E, so ∂L/∂E = onehot(ids)ᵀ Δ: the ids and the Δ rows are its factors (rows
+at ``padding_idx`` get no gradient and are dropped). A weight called T times in one
+forward (recurrent cells, reuse, a head tied to an embedding) contributes every call.
 
-Capture uses a forward hook on the module (to read its input) and a tensor hook on the
-call's output (to read ∂L/∂y) — no module backward hooks, so in-place ops and reuse
-are safe.
+Capture follows **calls**, not modules: a ``TorchFunctionMode`` sees every ``F.linear``,
+``F.conv1d``, ``F.conv2d`` and ``F.embedding`` whose weight is a parameter (or a block of
+its rows, as in ``nn.MultiheadAttention``'s packed projection, whose functional body is
+run with the mode active), wherever the call happens. Δ comes from a tensor hook on the
+call's own output, so a forward hook that replaces a module's output, in-place ops and
+reuse are all seen correctly. Which captures are trustworthy is decided once, by the
+probe in ``layout.py``; a step whose calls do not match the layout sends that layer dense.
 """
 
 from __future__ import annotations
 
+import logging
+import types
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from .base import Factors, LocalResult
 from .layout import CapturedLayer, Layout
 
+log = logging.getLogger("dadfl.capture")
 
-def unfold_input(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Rows of A for one call, shape (n, G·k) with group g in columns [g·k, (g+1)·k)."""
-    if isinstance(module, nn.Linear):
+CAPTURED_CALLS = {F.linear: "linear", F.conv1d: "conv1d", F.conv2d: "conv2d", F.embedding: "embedding"}
+ARGUMENTS = {
+    "linear": ("input", "weight", "bias"),
+    "conv1d": ("input", "weight", "bias", "stride", "padding", "dilation", "groups"),
+    "conv2d": ("input", "weight", "bias", "stride", "padding", "dilation", "groups"),
+    "embedding": ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse"),
+}
+DEFAULTS = {
+    "bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1,
+    "padding_idx": None, "max_norm": None, "norm_type": 2.0, "scale_grad_by_freq": False, "sparse": False,
+}
+LOOKUP = "embedding"
+
+
+def _opened(func: Callable) -> Callable:
+    """A copy of a ``torch.nn.functional`` composite whose own torch-function check is off.
+
+    A mode's handler runs with the mode popped, so the linear calls inside a composite such
+    as ``F.multi_head_attention_forward`` would go unseen; running this copy with the mode
+    pushed again lets them through the handler, and the library itself is left untouched.
+    """
+    namespace = dict(func.__globals__, has_torch_function=lambda *_: False)
+    copy = types.FunctionType(func.__code__, namespace, func.__name__, func.__defaults__, func.__closure__)
+    copy.__kwdefaults__ = func.__kwdefaults__
+    return copy
+
+
+OPENED = {F.multi_head_attention_forward: _opened(F.multi_head_attention_forward)}
+
+
+@dataclass
+class Call:
+    """One captured call of a weight: its input rows (or ids) now, its Δ rows after backward."""
+
+    kind: str  # "linear", "conv1d", "conv2d" or "embedding"
+    weight: str
+    row_block: tuple[int, int] | None  # the weight's output rows this call used; None: all
+    bias: str | None
+    bias_block: tuple[int, int] | None
+    groups: int
+    inputs: torch.Tensor  # A rows (n, G·k), or ids (n,) for a lookup
+    raw: bool  # reads the model's raw input
+    padding_idx: int | None = None
+    delta: torch.Tensor | None = None  # Δ rows (n, out) once backward has run
+
+
+class CallRecorder(TorchFunctionMode):
+    """Records the calls on the given parameters during a forward pass.
+
+    ``refused`` names the parameters called in a form capture cannot reproduce exactly
+    (autocast's mixed dtypes, ``max_norm``/``scale_grad_by_freq``/``sparse`` lookups), with why.
+    ``uses`` names, per parameter, the other functions whose differentiable results read it
+    (``torch.Tensor.t`` for a decoder's ``F.linear(z, W.t())``); views of a parameter are
+    followed to where they are used.
+    """
+
+    def __init__(self, params: dict[int, tuple[str, torch.Tensor]], raw_inputs: Sequence = ()):
+        super().__init__()
+        self.params = params  # id(parameter) -> (canonical name, parameter)
+        self.raw_storages = {t.untyped_storage().data_ptr() for t in raw_inputs if torch.is_tensor(t)}
+        self.calls: dict[str, list[Call]] = {}
+        self.refused: dict[str, str] = {}
+        self.uses: dict[str, set[str]] = {}
+        self._views: dict[int, tuple[str, torch.Tensor, str]] = {}  # id -> (parameter, view kept alive, made by)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        opened = OPENED.get(func)
+        if opened is not None:
+            with self:
+                return opened(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if not torch.is_grad_enabled():
+            return out
+        kind = CAPTURED_CALLS.get(func)
+        captured = kind is not None and torch.is_tensor(out) and out.requires_grad and self._record(kind, args, kwargs, out)
+        if not captured:
+            self._note_uses(func, args, kwargs, out)
+        return out
+
+    def _note_uses(self, func, args: tuple, kwargs: dict, out) -> None:
+        sources = {}  # parameter -> the function that made the view it is read through (None: direct)
+        for value in (*args, *kwargs.values()):
+            for item in value if isinstance(value, (tuple, list)) else (value,):
+                if torch.is_tensor(item):
+                    if id(item) in self.params:
+                        sources[self.params[id(item)][0]] = None
+                    elif id(item) in self._views:
+                        name, _, made_by = self._views[id(item)]
+                        sources[name] = made_by
+        if not sources:
+            return
+        function = torch.overrides.resolve_name(func) or repr(func)
+        for result in out if isinstance(out, (tuple, list)) else (out,):
+            if not (torch.is_tensor(result) and result.requires_grad):
+                continue
+            base = result._base
+            if base is not None and id(base) in self.params:  # a view: followed to its use
+                self._views[id(result)] = (self.params[id(base)][0], result, function)
+            else:
+                for name, made_by in sources.items():
+                    self.uses.setdefault(name, set()).add(function if made_by is None else f"{function} of its {made_by} view")
+
+    def _parameter(self, tensor, whole_only: bool) -> tuple[str, tuple[int, int] | None] | None:
+        """(name, row block) when ``tensor`` is a recorded parameter or a block of its rows."""
+        if not torch.is_tensor(tensor):
+            return None
+        if id(tensor) in self.params:
+            return self.params[id(tensor)][0], None
+        base = tensor._base
+        if whole_only or base is None or id(base) not in self.params or id(tensor) not in self._views:
+            return None
+        # A block of whole rows (what split/chunk of dim 0 gives): same strides, whole rows.
+        row_stride = base.stride(0) if base.dim() else 1
+        offset = tensor.storage_offset() - base.storage_offset()
+        if (
+            not base.is_contiguous()
+            or tensor.dim() != base.dim()
+            or tensor.stride() != base.stride()
+            or tensor.shape[1:] != base.shape[1:]
+            or offset % row_stride
+        ):
+            return None
+        start = offset // row_stride
+        return self.params[id(base)][0], (start, start + tensor.shape[0])
+
+    def _record(self, kind: str, args: tuple, kwargs: dict, out: torch.Tensor) -> bool:
+        """Record one call if its weight is a recorded parameter (or a block of its rows)."""
+        bound = dict(DEFAULTS)
+        bound.update(zip(ARGUMENTS[kind], args))
+        bound.update(kwargs)
+        found = self._parameter(bound["weight"], whole_only=kind != "linear")
+        if found is None:
+            return False
+        name, rows = found
+        weight, x = bound["weight"], bound["input"]
+        if kind == LOOKUP:
+            if bound["max_norm"] is not None or bound["scale_grad_by_freq"] or bound["sparse"]:
+                self.refused[name] = "looked up with max_norm, scale_grad_by_freq or sparse=True"
+                return True
+        elif x.dtype != weight.dtype or out.dtype != weight.dtype:
+            self.refused[name] = f"a {kind} call computes in {out.dtype} while the weight is {weight.dtype} (autocast)"
+            return True
+        raw = x.untyped_storage().data_ptr() in self.raw_storages
+        if kind == LOOKUP:
+            padding = bound["padding_idx"]
+            if padding is not None and padding < 0:
+                padding += weight.shape[0]
+            call = Call(kind, name, None, None, None, 1, x.detach().reshape(-1), raw, padding)
+        else:
+            bias = self._parameter(bound["bias"], whole_only=kind != "linear") if bound["bias"] is not None else None
+            groups = int(bound["groups"]) if kind != "linear" else 1
+            call = Call(
+                kind, name, rows, bias[0] if bias else None, bias[1] if bias else None, groups,
+                _input_rows(kind, x.detach(), weight, bound), raw,
+            )
+        self.calls.setdefault(name, []).append(call)
+        width = out.shape[-1] if kind in ("linear", LOOKUP) else None
+        batched_dims = {"conv1d": 3, "conv2d": 4}.get(kind)
+
+        def record(grad: torch.Tensor) -> None:
+            grad = grad.detach()
+            if width is not None:
+                call.delta = grad.reshape(-1, width)
+            else:
+                if grad.dim() < batched_dims:  # an unbatched conv input: one sample
+                    grad = grad.unsqueeze(0)
+                call.delta = grad.flatten(2).transpose(1, 2).reshape(-1, grad.shape[1])
+
+        out.register_hook(record)
+        return True
+
+
+def _input_rows(kind: str, x: torch.Tensor, weight: torch.Tensor, bound: dict) -> torch.Tensor:
+    """Rows of A for one linear or conv call, shape (n, G·k), group g in columns [g·k, (g+1)·k)."""
+    if kind == "linear":
         return x.reshape(-1, x.shape[-1])
-    pad_mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-    x = F.pad(x, module._reversed_padding_repeated_twice, mode=pad_mode)
-    if isinstance(module, nn.Conv1d):
-        patches = F.unfold(
-            x.unsqueeze(2),
-            kernel_size=(1, module.kernel_size[0]),
-            dilation=(1, module.dilation[0]),
-            stride=(1, module.stride[0]),
-        )
+    dims = 1 if kind == "conv1d" else 2
+    if x.dim() == dims + 1:  # unbatched input: one sample
+        x = x.unsqueeze(0)
+    kernel = tuple(weight.shape[2:])
+    stride, dilation = _per_dim(bound["stride"], dims), _per_dim(bound["dilation"], dims)
+    padding = bound["padding"]
+    if padding == "valid":
+        pairs = [(0, 0)] * dims
+    elif padding == "same":  # torch pads the odd extra on the right
+        totals = [d * (k - 1) for d, k in zip(dilation, kernel)]
+        pairs = [(t // 2, t - t // 2) for t in totals]
     else:
-        patches = F.unfold(x, kernel_size=module.kernel_size, dilation=module.dilation, stride=module.stride)
+        pairs = [(p, p) for p in _per_dim(padding, dims)]
+    x = F.pad(x, [side for pair in reversed(pairs) for side in pair])
+    if dims == 1:
+        patches = F.unfold(x.unsqueeze(2), (1, kernel[0]), dilation=(1, dilation[0]), stride=(1, stride[0]))
+    else:
+        patches = F.unfold(x, kernel, dilation=dilation, stride=stride)
     # (B, C·kh·kw, L) -> (B·L, C·kh·kw): one row per sample and output position.
     return patches.transpose(1, 2).reshape(-1, patches.shape[1])
 
 
-def output_rows(grad: torch.Tensor, linear: bool) -> torch.Tensor:
-    """Rows of Δ for one call, shape (n, out)."""
-    if linear:
-        return grad.reshape(-1, grad.shape[-1])
-    return grad.flatten(2).transpose(1, 2).reshape(-1, grad.shape[1])
+def _per_dim(value, dims: int) -> tuple[int, ...]:
+    return tuple(value) if isinstance(value, (tuple, list)) else (int(value),) * dims
 
 
 def by_group(rows: torch.Tensor, groups: int) -> torch.Tensor:
@@ -54,66 +242,94 @@ def by_group(rows: torch.Tensor, groups: int) -> torch.Tensor:
     return rows.reshape(rows.shape[0], groups, -1).transpose(0, 1).contiguous()
 
 
-class FactorCapture:
-    """Context manager recording A and Δ of every call of the layout's layers."""
+def id_dtype(num_embeddings: int) -> torch.dtype:
+    """Ids travel as int32 whenever the table fits (it always does in practice), else int64."""
+    return torch.int32 if num_embeddings <= torch.iinfo(torch.int32).max else torch.int64
 
-    def __init__(self, model: nn.Module, layout: Layout):
-        modules = dict(model.named_modules())
-        self._layers = [(layer, modules[layer.module]) for layer in layout.layers]
-        self._inputs: dict[str, list[torch.Tensor]] = {}
-        self._deltas: dict[str, dict[int, torch.Tensor]] = {}
-        self._handles: list = []
+
+def layer_factors(layer: CapturedLayer, calls: Sequence[Call]) -> Factors | None:
+    """The factors of one layer from its calls (forward order); calls without Δ contribute nothing."""
+    matmuls = [c for c in calls if c.kind != LOOKUP and c.delta is not None]
+    lookups = [c for c in calls if c.kind == LOOKUP and c.delta is not None]
+    if not matmuls and not lookups:
+        return None
+    A = D = ids = rows = None
+    if matmuls:
+        deltas = []
+        for call in matmuls:
+            if call.row_block is None:
+                deltas.append(call.delta)
+            else:  # a block of the weight's rows: Δ of the others is zero
+                padded = call.delta.new_zeros(call.delta.shape[0], layer.out_features)
+                padded[:, call.row_block[0] : call.row_block[1]] = call.delta
+                deltas.append(padded)
+        A = by_group(torch.cat([c.inputs for c in matmuls]), layer.groups)
+        D = by_group(torch.cat(deltas), layer.groups)
+    if lookups:
+        kept_ids, kept_rows = [], []
+        for call in lookups:
+            keep = call.inputs != call.padding_idx if call.padding_idx is not None else slice(None)
+            kept_ids.append(call.inputs[keep])
+            kept_rows.append(call.delta[keep])
+        ids = torch.cat(kept_ids).to(id_dtype(layer.out_features))
+        rows = torch.cat(kept_rows)
+    return Factors(A=A, D=D, ids=ids, rows=rows)
+
+
+def call_forms(calls: Sequence[Call]) -> tuple[str, ...]:
+    return tuple(sorted({c.kind for c in calls}))
+
+
+class FactorCapture:
+    """Context manager recording the calls of the layout's layers during one forward pass."""
+
+    def __init__(self, model: nn.Module, layout: Layout, raw_inputs: Sequence = ()):
+        params = dict(model.named_parameters())
+        self.layout = layout
+        self.recorder = CallRecorder({id(params[l.weight]): (l.weight, params[l.weight]) for l in layout.layers}, raw_inputs)
 
     def __enter__(self) -> "FactorCapture":
-        for layer, module in self._layers:
-            self._inputs[layer.module] = []
-            self._deltas[layer.module] = {}
-            self._handles.append(module.register_forward_hook(self._forward_hook(layer)))
+        self.recorder.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-
-    def _forward_hook(self, layer: CapturedLayer) -> Callable:
-        inputs, deltas = self._inputs[layer.module], self._deltas[layer.module]
-
-        def hook(module, args, output):
-            if not torch.is_grad_enabled():
-                return
-            call = len(inputs)
-            inputs.append(unfold_input(module, args[0].detach()))
-            linear = isinstance(module, nn.Linear)
-
-            def record(grad: torch.Tensor) -> None:
-                deltas[call] = output_rows(grad.detach(), linear)
-
-            output.register_hook(record)
-
-        return hook
+        self.recorder.__exit__(*exc)
 
     def factors(self) -> dict[str, Factors]:
-        """Rows of all calls per layer (calls in forward order); missing deltas are zero."""
+        """Factors per layer; a layer whose calls this step differ from the verified layout
+        (another call form, autocast, a raw-input read it did not have) is left out: it travels dense."""
         result = {}
-        for layer, _ in self._layers:
-            calls = self._inputs[layer.module]
-            if not calls:
+        for layer in self.layout.layers:
+            calls = self.recorder.calls.get(layer.weight, [])
+            problem = self.recorder.refused.get(layer.weight)
+            if problem is None and calls and not set(call_forms(calls)) <= set(layer.forms):
+                problem = f"called as {', '.join(call_forms(calls))} where the layout verified {', '.join(layer.forms)}"
+            new_uses = self.recorder.uses.get(layer.weight, set()) - set(layer.uses)
+            if problem is None and new_uses:
+                problem = f"also used by {', '.join(sorted(new_uses))}, which the probe did not see"
+            if problem is None and any(c.raw for c in calls) and not layer.raw_input:
+                problem = "read the raw input this step"
+            if problem is not None:
+                log.warning("layer %r travels dense this step: %s", layer.module, problem)
                 continue
-            deltas = self._deltas[layer.module]
-            D = [
-                deltas.get(i, calls[i].new_zeros(calls[i].shape[0], layer.out_features))
-                for i in range(len(calls))
-            ]
-            result[layer.module] = Factors(
-                A=by_group(torch.cat(calls), layer.groups), D=by_group(torch.cat(D), layer.groups)
-            )
+            factors = layer_factors(layer, calls)
+            if factors is not None:
+                result[layer.module] = factors
         return result
 
 
 def per_sample_losses(losses: torch.Tensor) -> torch.Tensor:
     """Reduce a loss with leading batch dimension to one value per sample."""
+    if losses.dim() == 0:
+        raise ValueError(
+            "the workload loss returned a single value (a mean- or sum-reduced loss); it must return "
+            "one loss per sample: use reduction='none' in the workload's loss function"
+        )
     return losses.reshape(losses.shape[0], -1).mean(dim=1) if losses.dim() > 1 else losses
+
+
+def as_args(inputs) -> tuple:
+    return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
 
 
 def local_step(
@@ -124,25 +340,26 @@ def local_step(
     targets: torch.Tensor,
     capture: bool = True,
 ) -> LocalResult:
-    """Forward and backward of the **summed** per-sample loss on one site's batch."""
+    """Forward and backward of the **summed** per-sample loss on one site's batch.
+
+    ``grads`` holds the parameters that received a gradient; one that got none (unused by
+    this batch) is absent, so it gets no update unless another site's batch reaches it.
+    """
     params = dict(model.named_parameters())
     model.zero_grad(set_to_none=True)
-    args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-    recorder = FactorCapture(model, layout if capture else Layout((), (), (), ()))
+    args = as_args(inputs)
+    recorder = FactorCapture(model, layout if capture else Layout((), (), (), ()), args)
     with recorder:
         outputs = model(*args)
-        losses = per_sample_losses(loss_fn(outputs, targets))
-        if losses.shape[0] != targets.shape[0]:
-            raise ValueError(
-                f"loss returned {losses.shape[0]} values for a batch of {targets.shape[0]} samples; "
-                "the workload loss must return one loss per sample (reduction='none')"
-            )
-        total = losses.sum()
-        total.backward()
-    grads = {
-        name: params[name].grad.detach() if params[name].grad is not None else torch.zeros_like(params[name])
-        for name in layout.params
-    }
+    losses = per_sample_losses(loss_fn(outputs, targets))
+    if losses.shape[0] != targets.shape[0]:
+        raise ValueError(
+            f"loss returned {losses.shape[0]} values for a batch of {targets.shape[0]} samples; "
+            "the workload loss must return one loss per sample (reduction='none')"
+        )
+    total = losses.sum()
+    total.backward()
+    grads = {name: params[name].grad.detach() for name in layout.params if params[name].grad is not None}
     buffers = dict(model.named_buffers())
     return LocalResult(
         num_samples=int(targets.shape[0]),

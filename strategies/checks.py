@@ -9,7 +9,13 @@ its tensors with their shapes and dtypes; a shape may use two symbols:
 - ``ROWS``: the layer's rows, ``num_samples`` × the rows one sample makes in that layer
   (1 for an MLP, positions for a convolution, time steps for a recurrent cell), measured
   once on an example batch (:class:`ModelFacts`); every tensor of the form has the same;
-- ``RANK``: the same within the form, between 1 and the form's ``max_rank``.
+- ``RANK``: the same within the form, between 1 and the form's ``max_rank``;
+- ``LOOKUPS``: an embedding's looked-up ids (and their delta rows), the same within the
+  form, at most ``num_samples`` × the lookups one sample makes (padding ids are not sent);
+  the ids must lie in the table (``Spec.bound``).
+
+A unit whose forms include a dense gradient may be absent: that site's batch gave it no
+gradient, and it adds nothing.
 
 An upload must match exactly one form of every unit, carry nothing else, and hold only
 finite values (:func:`check_payload`). Then its **contribution** is measured — the norm
@@ -31,12 +37,13 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .base import BUFFER_ROLE, GRAD_ROLE, Payload, split_key, tensor_key
-from .capture import unfold_input
+from .base import BUFFER_ROLE, GRAD_ROLE, IDS_ROLE, ROWS_ROLE, Payload, layer_gradient, split_key, tensor_key
+from .capture import LOOKUP, CallRecorder, as_args, id_dtype
 from .layout import CapturedLayer, Layout
 
 ROWS = "rows"
 RANK = "rank"
+LOOKUPS = "lookups"
 MAX_ECHO = 80  # characters of a site-supplied name that a reason may quote
 
 
@@ -50,6 +57,7 @@ def quote(text: str) -> str:
 class Spec:
     shape: tuple[int | str, ...]
     dtype: torch.dtype
+    bound: int | None = None  # integer values must lie in 0..bound-1
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,7 @@ class Form:
     tensors: dict[str, Spec] = field(hash=False)
     rows_per_sample: int | None = None  # ROWS = num_samples × this (None: any multiple)
     max_rank: int = 0
+    lookups_per_sample: int | None = None  # LOOKUPS <= num_samples × this
 
 
 @dataclass(frozen=True)
@@ -84,35 +93,40 @@ class ModelFacts:
     params: dict[str, tuple[tuple[int, ...], torch.dtype]]
     buffers: dict[str, tuple[tuple[int, ...], torch.dtype]]
     rows_per_sample: dict[str, int | None]
+    lookups_per_sample: dict[str, int | None] = field(default_factory=dict)
 
     @classmethod
     def from_model(cls, model: nn.Module, layout: Layout, example_inputs) -> "ModelFacts":
-        inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+        inputs = as_args(example_inputs)
         batch = int(inputs[0].shape[0])
-        modules = dict(model.named_modules())
-        rows: dict[str, int] = {}
-
-        def counter(name: str):
-            def hook(module, args, output):
-                rows[name] = rows.get(name, 0) + unfold_input(module, args[0]).shape[0]
-
-            return hook
-
-        handles = [modules[layer.module].register_forward_hook(counter(layer.module)) for layer in layout.layers]
+        params = dict(model.named_parameters())
+        recorder = CallRecorder({id(params[l.weight]): (l.weight, params[l.weight]) for l in layout.layers})
         was_training = model.training
         model.eval()
         try:
-            with torch.no_grad():
+            with torch.enable_grad(), recorder:  # calls are recorded where they carry gradient
                 model(*inputs)
         finally:
-            for handle in handles:
-                handle.remove()
             model.train(was_training)
-        per_sample = {name: (count // batch if count % batch == 0 else None) for name, count in rows.items()}
+        rows: dict[str, int] = {}
+        lookups: dict[str, int] = {}
+        for layer in layout.layers:
+            for call in recorder.calls.get(layer.weight, []):
+                counts = lookups if call.kind == LOOKUP else rows
+                counts[layer.module] = counts.get(layer.module, 0) + call.inputs.shape[0]
+
+        def per_sample(counts: dict[str, int]) -> dict[str, int | None]:
+            return {
+                layer.module: (counts[layer.module] // batch if counts[layer.module] % batch == 0 else None)
+                for layer in layout.layers
+                if layer.module in counts
+            }
+
         return cls(
             params={name: (tuple(p.shape), p.dtype) for name, p in model.named_parameters()},
             buffers={name: (tuple(b.shape), b.dtype) for name, b in model.named_buffers()},
-            rows_per_sample={layer.module: per_sample.get(layer.module) for layer in layout.layers},
+            rows_per_sample=per_sample(rows),
+            lookups_per_sample=per_sample(lookups),
         )
 
     # ------------------------------------------------------------ forms strategies share
@@ -136,11 +150,20 @@ class ModelFacts:
         return Form("dense gradient", tensors)
 
     def layer_factors(self, layer: CapturedLayer, roles: str = "AD") -> Form:
-        """Activations (``A``) and/or deltas (``D``): (groups, ROWS, width)."""
+        """Activations (``A``) and/or deltas (``D``): (groups, ROWS, width), of its linear/conv
+        calls; for an embedding, its ids (LOOKUPS,) in the table and their delta rows."""
         dtype = self.params[layer.weight][1]
         width = {"A": layer.in_per_group, "D": layer.out_per_group}
-        tensors = {tensor_key(layer.module, role): Spec((layer.groups, ROWS, width[role]), dtype) for role in roles}
-        return Form("factors", tensors, rows_per_sample=self.rows_per_sample.get(layer.module))
+        tensors = {}
+        if any(form != LOOKUP for form in layer.forms):
+            tensors = {tensor_key(layer.module, role): Spec((layer.groups, ROWS, width[role]), dtype) for role in roles}
+        if LOOKUP in layer.forms:
+            tensors[tensor_key(layer.module, IDS_ROLE)] = Spec((LOOKUPS,), id_dtype(layer.out_features), layer.out_features)
+            tensors[tensor_key(layer.module, ROWS_ROLE)] = Spec((LOOKUPS, layer.in_per_group), dtype)
+        return Form(
+            "factors", tensors, rows_per_sample=self.rows_per_sample.get(layer.module),
+            lookups_per_sample=self.lookups_per_sample.get(layer.module),
+        )
 
     def layer_low_rank(self, layer: CapturedLayer, max_rank: int) -> Form:
         """P (groups, m, RANK) and Q (groups, k, RANK), the bias dense."""
@@ -164,6 +187,8 @@ def check_payload(units: Sequence[Unit], payload: Payload) -> str | None:
     for unit in units:
         unit_keys = {key for form in unit.forms for key in form.tensors}
         present = keys & unit_keys
+        if not present and any(form.name == "dense gradient" for form in unit.forms):
+            continue  # no gradient at this site
         complete = [form for form in unit.forms if set(form.tensors) == present]
         if not complete:
             return _form_mismatch(unit, present)
@@ -187,6 +212,7 @@ def _form_mismatch(unit: Unit, present: set[str]) -> str:
 def _check_form(form: Form, payload: Payload) -> str | None:
     rows: int | None = None
     rank: int | None = None
+    lookups: int | None = None
     for key, spec in form.tensors.items():
         tensor = payload.tensors[key]
         where = f"tensor {key!r}"
@@ -199,6 +225,10 @@ def _check_form(form: Form, payload: Payload) -> str | None:
                 rows = size if rows is None else rows
                 if size != rows:
                     return f"{where}: {size} rows along dimension {axis}, but {rows} in the form's other tensors"
+            elif want == LOOKUPS:
+                lookups = size if lookups is None else lookups
+                if size != lookups:
+                    return f"{where}: {size} lookups along dimension {axis}, but {lookups} in the form's other tensors"
             elif want == RANK:
                 rank = size if rank is None else rank
                 if size != rank:
@@ -207,6 +237,10 @@ def _check_form(form: Form, payload: Payload) -> str | None:
                 return f"{where}: shape {tuple(tensor.shape)}, expected {_show(spec.shape)}"
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             return f"{where}: contains NaN or Inf"
+        if spec.bound is not None and tensor.numel() and (int(tensor.min()) < 0 or int(tensor.max()) >= spec.bound):
+            return f"{where}: values outside 0..{spec.bound - 1}"
+    if lookups is not None and form.lookups_per_sample and lookups > payload.num_samples * form.lookups_per_sample:
+        return f"{lookups} lookups, but num_samples={payload.num_samples} makes at most {payload.num_samples * form.lookups_per_sample}"
     if rows is not None:
         n, per_sample = payload.num_samples, form.rows_per_sample
         if per_sample and rows != n * per_sample:
@@ -274,7 +308,11 @@ def layerwise_contribution(layout: Layout, payload: Payload, low_rank: Sequence[
             buffers += sq_norm(tensor)
     for layer in layout.layers:
         a, d = tensors.get(tensor_key(layer.module, "A")), tensors.get(tensor_key(layer.module, "D"))
-        if a is not None and d is not None:
+        if tensor_key(layer.module, IDS_ROLE) in tensors:  # lookups: the (V × d) table gradient, bounded by the table
+            weight, bias = layer_gradient(layer, {k: v.double() if v.is_floating_point() else v for k, v in tensors.items()
+                                                  if split_key(k)[0] == layer.module})
+            update += sq_norm(weight) + (sq_norm(bias) if bias is not None else 0.0)
+        elif a is not None and d is not None:
             update += factor_sq_norm(a, d)
             if layer.bias:
                 update += sq_norm(d.sum(dim=1))

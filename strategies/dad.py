@@ -13,6 +13,10 @@ N = Σ n_s; rows are samples × time steps × output positions):
          = N·G·(k + m)          with downlink="factors" (each replica forms ΔᵀA/N)
 Cheaper than dSGD on the way up exactly when n_s·(k + m) < k·m (+ m).
 
+An embedding table (V × d) looked up n_s times sends the ids and their Δ rows,
+n_s·(1 + d) numbers (ids as int32) instead of V·d; a table tied to a Linear head sends
+both the head's rows and the lookups, and the decoded gradient is their sum.
+
 Reveals: each site's activations and deltas to the server (and, with factor downlink,
 to every other site). Activations of the first layer are the raw input, so a layer
 reading the raw input travels dense unless ``raw_input="activations"``.
@@ -23,9 +27,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import torch
+
 from .base import (
     LayerwiseServer,
+    Factors,
     GRAD_ROLE,
+    IDS_ROLE,
+    ROWS_ROLE,
     LocalResult,
     Payload,
     Stateless,
@@ -35,9 +44,8 @@ from .base import (
     may_share,
     sum_in_order,
     tensor_key,
-    weight_from_factors,
-    bias_from_deltas,
     check_raw_input,
+    layer_gradient,
 )
 from .checks import Unit
 from .layout import CapturedLayer, Layout
@@ -45,20 +53,21 @@ from .layout import CapturedLayer, Layout
 DOWNLINKS = ("dense", "factors", "smaller")
 
 
-def dense_cost(layer: CapturedLayer) -> int:
-    """Floats of one layer's dense gradient, bias included."""
-    return layer.weight_numel + (layer.out_features if layer.bias else 0)
+def dense_nbytes(layer: CapturedLayer, itemsize: int) -> int:
+    """Bytes of one layer's dense gradient, bias included."""
+    return (layer.weight_numel + (layer.out_features if layer.bias else 0)) * itemsize
 
 
-def factor_cost(layer: CapturedLayer, rows: int) -> int:
-    """Floats of one layer's activation and delta rows."""
-    return rows * (layer.in_features + layer.out_features)
+def dense_layer(local: LocalResult, layer: CapturedLayer) -> dict[str, torch.Tensor]:
+    """The layer's gradients, where it has them (a layer no row reached has none)."""
+    names = (layer.weight, layer.bias) if layer.bias else (layer.weight,)
+    return {tensor_key(name, GRAD_ROLE): local.grads[name] for name in names if name in local.grads}
 
 
 class FactorSite(Stateless):
-    """Site half: per layer, activations and deltas where ``sends_factors`` says so."""
+    """Site half: per layer, its factors where ``sends_factors`` says so, else its gradient."""
 
-    def __init__(self, layout: Layout, sends_factors: Callable[[CapturedLayer, int], bool]):
+    def __init__(self, layout: Layout, sends_factors: Callable[[CapturedLayer, Factors], bool]):
         self.layout = layout
         self.sends_factors = sends_factors
 
@@ -66,13 +75,10 @@ class FactorSite(Stateless):
         tensors = dense_upload(local, self.layout.uncovered, self.layout.buffers)
         for layer in self.layout.layers:
             factors = local.factors.get(layer.module)
-            if factors is not None and self.sends_factors(layer, factors.A.shape[1]):
-                tensors[tensor_key(layer.module, "A")] = factors.A
-                tensors[tensor_key(layer.module, "D")] = factors.D
+            if factors is not None and self.sends_factors(layer, factors):
+                tensors.update(factors.tensors(layer.module))
             else:
-                tensors[tensor_key(layer.weight, GRAD_ROLE)] = local.grads[layer.weight]
-                if layer.bias:
-                    tensors[tensor_key(layer.bias, GRAD_ROLE)] = local.grads[layer.bias]
+                tensors.update(dense_layer(local, layer))
         return Payload(step, 0, local.num_samples, tensors)
 
     def receive(self, message: Payload) -> None:
@@ -89,29 +95,43 @@ class FactorServer(LayerwiseServer):
         self.downlink = downlink
 
     def aggregate_layer(self, layer: CapturedLayer, payloads: Sequence[Payload], total: int) -> dict:
-        a_key, d_key = tensor_key(layer.module, "A"), tensor_key(layer.module, "D")
-        if all(a_key in p.tensors for p in payloads) and self.sends_factors_down(layer, total):
-            return {
-                a_key: group_rows([p.tensors[a_key] for p in payloads]),
-                d_key: group_rows([p.tensors[d_key] for p in payloads]),
-            }
+        keys = {role: tensor_key(layer.module, role) for role in ("A", "D", IDS_ROLE, ROWS_ROLE)}
+        w_key = tensor_key(layer.weight, GRAD_ROLE)
+        if not any(w_key in p.tensors for p in payloads):
+            pooled = {}
+            for role in ("A", "D"):  # (G, n_s, ·) blocks
+                parts = [p.tensors[keys[role]] for p in payloads if keys[role] in p.tensors]
+                if parts:
+                    pooled[keys[role]] = group_rows(parts)
+            for role in (IDS_ROLE, ROWS_ROLE):  # (n_s,) and (n_s, k)
+                parts = [p.tensors[keys[role]] for p in payloads if keys[role] in p.tensors]
+                if parts:
+                    pooled[keys[role]] = torch.cat(parts)
+            if pooled and self.sends_factors_down(layer, pooled):
+                return pooled
         weights, biases = [], []
         for p in payloads:
-            if a_key in p.tensors:
-                weights.append(weight_from_factors(p.tensors[a_key], p.tensors[d_key], layer.weight_shape))
-                biases.append(bias_from_deltas(p.tensors[d_key]))
-            else:
-                weights.append(p.tensors[tensor_key(layer.weight, GRAD_ROLE)])
-                if layer.bias:
+            if w_key in p.tensors:
+                weights.append(p.tensors[w_key])
+                if layer.bias and tensor_key(layer.bias, GRAD_ROLE) in p.tensors:
                     biases.append(p.tensors[tensor_key(layer.bias, GRAD_ROLE)])
-        out = {tensor_key(layer.weight, GRAD_ROLE): sum_in_order(weights) / total}
-        if layer.bias:
+            else:
+                weight, bias = layer_gradient(layer, p.tensors)
+                if weight is not None:
+                    weights.append(weight)
+                if bias is not None:
+                    biases.append(bias)
+        out = {}
+        if weights:  # no site's batch reached this layer: no gradient, no update
+            out[w_key] = sum_in_order(weights) / total
+        if biases:
             out[tensor_key(layer.bias, GRAD_ROLE)] = sum_in_order(biases) / total
         return out
 
-    def sends_factors_down(self, layer: CapturedLayer, total: int) -> bool:
+    def sends_factors_down(self, layer: CapturedLayer, pooled: dict[str, torch.Tensor]) -> bool:
         if self.downlink == "smaller":
-            return factor_cost(layer, total) < dense_cost(layer)
+            itemsize = next(t.element_size() for t in pooled.values() if t.is_floating_point())
+            return sum(t.numel() * t.element_size() for t in pooled.values()) < dense_nbytes(layer, itemsize)
         return self.downlink == "factors"
 
 
@@ -139,7 +159,7 @@ class DAD(Strategy):
             raise ValueError(f"dad: downlink={self.downlink!r} must be 'dense' or 'factors'")
         check_raw_input(self.raw_input)
 
-    def sends_factors(self, layer: CapturedLayer, rows: int) -> bool:
+    def sends_factors(self, layer: CapturedLayer, factors: Factors) -> bool:
         return may_share(layer, self.raw_input, "activations")
 
     def site(self, layout: Layout, model=None) -> FactorSite:

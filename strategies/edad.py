@@ -83,18 +83,28 @@ def feed_forward_chain(model: nn.Module | None, layout: Layout) -> list[ChainLin
     if not isinstance(model, nn.Sequential):
         raise ValueError(f"edad: the model is {type(model).__name__}, not nn.Sequential; {hint}")
     by_module = {layer.module: layer for layer in layout.layers}
-    children = list(model.named_children())
+    # Every position, repeats included (named_children() would hide a module listed twice):
+    # a stateless activation may repeat; a Linear listed twice stacks two calls in one layer.
+    children = list(model._modules.items())
     if children and isinstance(children[0][1], nn.Flatten):
         children = children[1:]
     links: list[ChainLink] = []
     pending: CapturedLayer | None = None
+    seen_linear: dict[int, str] = {}
     for name, module in children:
         if isinstance(module, nn.Linear):
-            if name not in by_module:
-                raise ValueError(f"edad: layer {name!r} shares its weight with another module; {hint}")
+            if id(module) in seen_linear:
+                raise ValueError(
+                    f"edad: the Linear {seen_linear[id(module)]!r} appears again at position {name!r}; "
+                    f"edad recomputes one layer per position; {hint}"
+                )
+            seen_linear[id(module)] = name
+            layer = by_module.get(name)
+            if layer is None or layer.forms != ("linear",) or layer.weight != f"{name}.weight":
+                raise ValueError(f"edad: layer {name!r} shares its weight or is used outside its call; {hint}")
             if pending is not None:
                 links.append(ChainLink(pending, torch.ones_like))
-            pending = by_module[name]
+            pending = layer
             continue
         derivative = activation_derivative(module)
         if derivative is None or pending is None:
@@ -138,6 +148,11 @@ class EDADSite(Stateless):
     def begin(self, local: LocalResult, step: int) -> Payload:
         tensors = dense_upload(local, self.dense, self.layout.buffers)
         for layer in self.factored:
+            if layer.module not in local.factors:
+                raise ValueError(
+                    f"edad: layer {layer.module!r} was not captured this step (see the log for why), and "
+                    "edad cannot recompute the deltas below it; use 'dad' or 'auto' for this model"
+                )
             tensors[tensor_key(layer.module, "A")] = local.factors[layer.module].A
         if self.output in self.factored:
             tensors[tensor_key(self.output.module, "D")] = local.factors[self.output.module].D

@@ -27,6 +27,11 @@ with σ ≤ tol·σ_max (in every group) are dropped and ``rank`` says how many 
 Everything is batched over the groups of a grouped convolution: A (G, n, k),
 D (G, n, m) -> P (G, m, r'), Q (G, k, r'), S (G, r').
 
+**Embeddings.** A table E (V × d) looked up at ``ids`` with delta rows R has the gradient
+G = onehot(ids)ᵀ R (V × d); ``Lookups`` applies it without building the one-hot:
+G Q = scatter_add(ids, R Q) and Gᵀ U = Rᵀ U[ids]. ``power_iteration(..., lookups=...)``
+adds it to Dᵀ A (a head tied to the table), or takes it alone (A, D None).
+
 **Re-reduction.** A sum of rank-r products is itself a structured product:
 Σ_s P_s Q_sᵀ = Dᵀ A with D = [P_1 … P_S]ᵀ and A = [Q_1 … Q_S]ᵀ (S·r rows), so the
 server re-reduces the sites' factors to rank r with the same call (``reduce_sum``).
@@ -73,14 +78,32 @@ class LowRank:
         return torch.bmm(self.P, self.Q.transpose(1, 2))
 
 
+@dataclass
+class Lookups:
+    """The gradient onehot(ids)ᵀ rows of a (V × d) table, applied by gather/scatter only."""
+
+    ids: torch.Tensor  # (n,) integer
+    rows: torch.Tensor  # (n, d)
+    num_embeddings: int  # V
+
+    def times(self, Q: torch.Tensor) -> torch.Tensor:
+        """G Q for Q (1, d, r): (1, V, r), a scatter-add of rows·Q."""
+        projected = self.rows @ Q[0]
+        return projected.new_zeros(self.num_embeddings, Q.shape[2]).index_add_(0, self.ids.long(), projected)[None]
+
+    def transposed_times(self, U: torch.Tensor) -> torch.Tensor:
+        """Gᵀ U for U (1, V, r): (1, d, r), rowsᵀ times the gathered U[ids]."""
+        return (self.rows.transpose(0, 1) @ U[0][self.ids.long()])[None]
+
+
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
     """A generator on ``device`` seeded with ``seed``: same seed, same random start."""
     return torch.Generator(device=torch.device(device)).manual_seed(int(seed))
 
 
 def power_iteration(
-    A: torch.Tensor,
-    D: torch.Tensor,
+    A: torch.Tensor | None,
+    D: torch.Tensor | None,
     rank: int,
     *,
     iterations: int = 2,
@@ -89,6 +112,7 @@ def power_iteration(
     tol: float = 0.0,
     scale: float = 1.0,
     memory: torch.Tensor | None = None,
+    lookups: Lookups | None = None,
 ) -> LowRank:
     """Rank-``rank`` factors of M = scale·Dᵀ A + memory per group, from A (G, n, k) and D (G, n, m).
 
@@ -99,8 +123,12 @@ def power_iteration(
     an error-feedback memory added to the structured product (None: none). 2-D A (n, k)
     and D (n, m) are one group; the results keep the group axis. Cost: ``iterations`` ×
     2·G·(n·(k + m) + m·k if memory)·r' flops plus QR/SVD of (m × r'), (k × r') and
-    (r' × r') blocks.
+    (r' × r') blocks. ``lookups``: an embedding's part of the same (one-group) matrix,
+    added to Dᵀ A before scaling; with A and D None it is the whole structured product.
     """
+    if A is None and D is None and lookups is not None:  # one group, the table's m × k
+        m, k = lookups.num_embeddings, lookups.rows.shape[1]
+        A, D = lookups.rows.new_zeros(1, 0, k), lookups.rows.new_zeros(1, 0, m)
     if A.dim() == 2 and D.dim() == 2:  # one group
         A, D = A.unsqueeze(0), D.unsqueeze(0)
         if warm_start is not None and warm_start.dim() == 2:
@@ -120,16 +148,22 @@ def power_iteration(
     if dtype in LOW_PRECISION:  # QR and SVD need single precision at least
         A, D = A.float(), D.float()
         memory = memory.float() if memory is not None else None
+        if lookups is not None:
+            lookups = Lookups(lookups.ids, lookups.rows.float(), lookups.num_embeddings)
     Dt, At = D.transpose(1, 2), A.transpose(1, 2)
 
     def times(Q: torch.Tensor) -> torch.Tensor:  # M Q
         out = torch.bmm(Dt, torch.bmm(A, Q))
+        if lookups is not None:
+            out = out + lookups.times(Q)
         if scale != 1.0:
             out = out * scale
         return out if memory is None else out + torch.bmm(memory, Q)
 
     def transposed_times(U: torch.Tensor) -> torch.Tensor:  # Mᵀ U
         out = torch.bmm(At, torch.bmm(D, U))
+        if lookups is not None:
+            out = out + lookups.transposed_times(U)
         if scale != 1.0:
             out = out * scale
         return out if memory is None else out + torch.bmm(memory.transpose(1, 2), U)

@@ -231,8 +231,13 @@ class PowerSGDSite:
         tensors = dense_upload(local, self.plan.dense, self.layout.buffers)
         qs = self._start_q(local)
         self.M = {}
+        reference = next(iter(local.grads.values()), None)
         for matrix in self.plan.matrices:
-            grad = local.grads[matrix.name]
+            # A matrix no row of this batch reached counts as a zero gradient: the shared
+            # projection needs every site's term.
+            grad = local.grads.get(matrix.name)
+            if grad is None:
+                grad = torch.zeros(matrix.shape) if reference is None else reference.new_zeros(matrix.shape)
             M = grad.reshape(matrix.n, matrix.m) / local.num_samples
             if self.options.use_error_feedback and matrix.name in self.errors:
                 M = M + self.errors[matrix.name]
@@ -244,8 +249,9 @@ class PowerSGDSite:
         eps = self.options.orthogonalization_epsilon
         if self.options.warm_start and self.q_memory:
             return {name: orthogonalize(q, eps) for name, q in self.q_memory.items()}
-        dtype = next(iter(local.grads.values())).dtype if local.grads else torch.float32
-        device = local.grads[self.plan.matrices[0].name].device if self.plan.matrices else torch.device("cpu")
+        reference = next(iter(local.grads.values()), None)
+        dtype = reference.dtype if reference is not None else torch.float32
+        device = reference.device if reference is not None else torch.device("cpu")
         # Drawn on the CPU (as the hook does) so every device gets the same numbers.
         fresh = self.q_source.draw(self.plan, dtype)
         return {name: orthogonalize(q.to(device), eps) for name, q in fresh.items()}

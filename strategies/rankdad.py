@@ -34,8 +34,12 @@ the server, whose re-reduction is a second lossy compression, keeps what *it* dr
 without the server memory the re-reduction loses that information for good and
 training stalls below dSGD's accuracy.
 
+**Embeddings.** A captured embedding table (tied to a head or not) is power-iterated on
+its lookups by gather/scatter (``power_iteration.Lookups``), never forming the one-hot
+or the table's gradient for the power step.
+
 **Other matrices.** Matrix-shaped parameters that no factor capture covers (learned
-positions, raw ``nn.Parameter`` matrices, weights tied across modules), viewed as
+positions, raw ``nn.Parameter`` matrices, weights the probe sends dense), viewed as
 shape[0] × rest as PowerSGD does, are compressed the same way from their dense
 gradient (``dense_power_iteration``, same memories) whenever r'·(m + k) < m·k; else
 they travel dense. Since the layout cannot tell whether such a parameter reads the raw
@@ -94,6 +98,7 @@ from .base import (
     decode_message,
     dense_aggregate,
     dense_upload,
+    layer_gradient,
     may_share,
     numel,
     sum_in_order,
@@ -103,7 +108,8 @@ from .base import (
 )
 from .checks import RANK, Form, Spec, Unit, layerwise_contribution
 from .layout import CapturedLayer, Layout
-from .power_iteration import dense_power_iteration, effective_rank, make_generator, power_iteration, reduce_sum
+from .dad import dense_layer
+from .power_iteration import Lookups, dense_power_iteration, effective_rank, make_generator, power_iteration, reduce_sum
 
 EFFECTIVE_RANK_RTOL = 1e-3  # describe(): components above this fraction of the largest
 
@@ -250,11 +256,11 @@ class RankDADSite:
     def begin(self, local: LocalResult, step: int) -> Payload:
         tensors = dense_upload(local, self.plan.dense_params, self.layout.buffers)
         for layer in self.plan.dense_layers:
-            tensors.update(_dense_layer(local, layer))
+            tensors.update(dense_layer(local, layer))
         n = local.num_samples
         for target in self.plan.matrices:
             tensors.update(self._compress(target, local, n))
-            if target.layer is not None and target.layer.bias:
+            if target.layer is not None and target.layer.bias and target.layer.bias in local.grads:
                 tensors[tensor_key(target.layer.bias, GRAD_ROLE)] = local.grads[target.layer.bias]
         return Payload(step, 0, n, tensors)
 
@@ -268,18 +274,20 @@ class RankDADSite:
         if target.layer is not None:
             factors = local.factors.get(target.key)
             if factors is None:
-                # Not called this step: its (zero) gradient plus what the memory holds travels
+                # Not called this step: its gradient (if any) plus what the memory holds travels
                 # dense, which empties the memory.
-                grad = local.grads[target.weight]
+                grad = local.grads.get(target.weight)
                 if memory is not None:
-                    grad = grad + n * memory.reshape(grad.shape)
+                    grad = n * memory.reshape(target.weight_shape) + (0 if grad is None else grad)
                 state.errors.pop(target.key, None)
-                return {tensor_key(target.weight, GRAD_ROLE): grad}
-            generator = state.generators.on(factors.A.device)
+                return {} if grad is None else {tensor_key(target.weight, GRAD_ROLE): grad}
+            # An embedding's lookups enter by gather/scatter, never as a one-hot matrix.
+            lookups = None if factors.ids is None else Lookups(factors.ids, factors.rows, target.m)
+            generator = state.generators.on((factors.A if factors.A is not None else factors.rows).device)
             result = power_iteration(factors.A, factors.D, options.rank, generator=generator, scale=1.0 / n,
-                                     memory=memory, **common)
+                                     memory=memory, lookups=lookups, **common)
             if options.error_feedback:  # the dense residual: local, never sent
-                M = torch.bmm(factors.D.transpose(1, 2), factors.A) / n
+                M = layer_gradient(target.layer, factors.tensors(target.key))[0].reshape(shape) / n
                 state.errors[target.key] = (M if memory is None else M + memory) - result.dense()
         else:
             M = local.grads[target.weight].reshape(shape) / n
@@ -302,13 +310,6 @@ class RankDADSite:
         self.state.load_state_dict("rankdad site", state, self.plan)
 
 
-def _dense_layer(local: LocalResult, layer: CapturedLayer) -> dict[str, torch.Tensor]:
-    tensors = {tensor_key(layer.weight, GRAD_ROLE): local.grads[layer.weight]}
-    if layer.bias:
-        tensors[tensor_key(layer.bias, GRAD_ROLE)] = local.grads[layer.bias]
-    return tensors
-
-
 class RankDADServer:
     """Server half: re-reduce the sites' factors (plus its memory) to rank r, or concatenate
     them; average the dense parts."""
@@ -322,13 +323,9 @@ class RankDADServer:
     def aggregate(self, payloads: Sequence[Payload]) -> Payload:
         total = sum(p.num_samples for p in payloads)
         tensors = dense_aggregate(payloads, self.plan.dense_params, self.layout.buffers)
-        for layer in self.layout.layers:
-            if layer.bias:
-                key = tensor_key(layer.bias, GRAD_ROLE)
-                tensors[key] = sum_in_order([p.tensors[key] for p in payloads]) / total
-        for layer in self.plan.dense_layers:
-            key = tensor_key(layer.weight, GRAD_ROLE)
-            tensors[key] = sum_in_order([p.tensors[key] for p in payloads]) / total
+        # A site whose batch never reached a layer sends no gradient for it: it adds nothing.
+        names = [layer.bias for layer in self.layout.layers if layer.bias]
+        tensors.update(dense_aggregate(payloads, names + [layer.weight for layer in self.plan.dense_layers], ()))
         for target in self.plan.matrices:
             tensors.update(self._aggregate_matrix(target, payloads, total))
         return Payload(payloads[0].step, payloads[0].phase, total, tensors)
@@ -341,15 +338,16 @@ class RankDADServer:
             # Some site sent this layer dense (it was not called there): the mean travels
             # dense, with the server memory added (which empties it).
             shape = (target.groups, target.m, target.k)
+            grad_key = tensor_key(target.weight, GRAD_ROLE)
             weights = [
-                torch.bmm(f[0], f[1].transpose(1, 2)) if f is not None
-                else p.tensors[tensor_key(target.weight, GRAD_ROLE)].reshape(shape)
+                torch.bmm(f[0], f[1].transpose(1, 2)) if f is not None else p.tensors[grad_key].reshape(shape)
                 for f, p in zip(factors, payloads)
+                if f is not None or grad_key in p.tensors
             ]
-            mean = sum_in_order(weights) / total
-            if memory is not None:
-                mean = mean + memory
             state.errors.pop(target.key, None)
+            if not weights and memory is None:
+                return {}  # no site's batch reached it: no gradient, no update
+            mean = memory if not weights else sum_in_order(weights) / total + (0 if memory is None else memory)
             return {tensor_key(target.weight, GRAD_ROLE): mean.reshape(target.weight_shape)}
         Ps, Qs = [f[0] for f in factors], [f[1] for f in factors]
         if not options.reduce_on_server or (memory is None and sum(P.shape[-1] for P in Ps) <= options.rank):

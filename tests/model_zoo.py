@@ -100,10 +100,74 @@ class NormNet(nn.Module):
         return self.fc3(F.relu(self.ln(self.fc2(F.relu(self.bn(self.fc1(x)))))))
 
 
+class TiedAutoencoder(nn.Module):
+    """Decodes with the encoder's weight transposed, in a functional call outside the encoder."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Linear(12, 6)
+        self.decoder_bias = nn.Parameter(torch.zeros(12))
+        self.head = nn.Linear(12, 5)
+
+    def forward(self, x):
+        z = torch.tanh(self.encoder(x))
+        return self.head(F.linear(z, self.encoder.weight.t(), self.decoder_bias))
+
+
+class HookedMLP(nn.Module):
+    """A user's forward hook replaces the first Linear's output; the second is called by keyword."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(12, 8), nn.Linear(8, 5)
+        self.first.register_forward_hook(lambda module, args, output: 2 * output + 1)
+
+    def forward(self, x):
+        return self.second(input=torch.relu(self.first(x)))
+
+
+class Attention(nn.Module):
+    """nn.MultiheadAttention: packed self-attention projection, and q/k/v rows of one weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(7, 8)
+        self.self_attention = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.cross_attention = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 7)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        x = x + self.self_attention(x, x, x, need_weights=False)[0]
+        x = x + self.cross_attention(x, torch.tanh(x), 2 * x, need_weights=False)[0]
+        return self.head(x)
+
+
+class FunctionalEmbedding(nn.Module):
+    """F.embedding on a raw table with padding_idx, tied to the head; a Conv1d on an unbatched call."""
+
+    def __init__(self, vocab=7, d=6):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(vocab, d))
+        self.conv = nn.Conv1d(d, d, kernel_size=3, padding="same")
+        self.unused = nn.Linear(d, d)  # never called: no gradient, no update
+
+    def forward(self, tokens):
+        x = F.embedding(tokens, self.table, padding_idx=0)  # (B, T, d)
+        mixed = torch.stack([self.conv(sample.transpose(0, 1)) for sample in x])  # unbatched (d, T) calls
+        return F.linear(torch.tanh(mixed.transpose(1, 2)), self.table)
+
+
+def reused_activation() -> nn.Module:
+    """One ReLU instance at two positions of a Sequential."""
+    relu = nn.ReLU()
+    return nn.Sequential(nn.Linear(12, 16), relu, nn.Linear(16, 16), relu, nn.Linear(16, 5))
+
+
 def site_batches(kind: str, sizes=(5, 1, 3), seed=0):
     """One (inputs, targets) batch per site with the given (unequal) sizes."""
     g = torch.Generator().manual_seed(seed)
-    if kind in ("mlp", "norm"):
+    if kind in ("mlp", "norm", "tied_autoencoder", "hooked", "reused_activation"):
         return [(torch.randn(n, 12, generator=g), torch.randint(0, 5, (n,), generator=g)) for n in sizes]
     if kind == "cnn":
         return [(torch.randn(n, 2, 8, 8, generator=g), torch.randint(0, 5, (n,), generator=g)) for n in sizes]
@@ -111,6 +175,16 @@ def site_batches(kind: str, sizes=(5, 1, 3), seed=0):
 
 
 MODELS = {"mlp": mlp, "cnn": ConvNet, "gru": LinearGRU, "transformer": TinyTransformer, "norm": NormNet}
+# The cases capture once got silently wrong (tied weights used outside their call, hooks,
+# fused attention projections, reused activations), and the other call forms it follows.
+CAPTURE_CASES = {
+    "tied_autoencoder": TiedAutoencoder,
+    "hooked": HookedMLP,
+    "attention": Attention,
+    "functional_embedding": FunctionalEmbedding,
+    "reused_activation": reused_activation,
+}
+MODELS.update(CAPTURE_CASES)
 
 
 def build(kind: str, seed: int = 0) -> nn.Module:

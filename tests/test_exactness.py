@@ -9,7 +9,7 @@ import torch
 
 from dadfl.strategies import Layout, make_strategy, reference_update, step_update
 
-from model_zoo import build, per_sample_cross_entropy, site_batches
+from model_zoo import CAPTURE_CASES, build, per_sample_cross_entropy, site_batches
 
 EXACT = [
     ("dsgd", {}),
@@ -42,10 +42,35 @@ def test_exact_strategies_match_reference(kind, strategy, options):
     assert max(errors.values()) <= 1e-5, errors
 
 
+# Every layer shares its factors (raw input allowed), so capture itself is what is checked.
+CAPTURE_STRATEGIES = [
+    ("dsgd", {}),
+    ("dad", {"raw_input": "activations"}),
+    ("dad", {"raw_input": "activations", "downlink": "factors"}),
+    ("auto", {"raw_input": "activations"}),
+    ("rankdad", {"rank": 64, "raw_input": "activations"}),
+]
+
+
+@pytest.mark.parametrize("kind", list(CAPTURE_CASES))
+@pytest.mark.parametrize("strategy,options", CAPTURE_STRATEGIES)
+def test_capture_cases_match_reference(kind, strategy, options):
+    """Tied weights used outside their call, hooks, keyword calls, attention's packed
+    projections, functional and padded lookups, unbatched convs: exact (rank-dAD at full rank)."""
+    model = build(kind)
+    batches = site_batches(kind, sizes=(5, 1, 3))
+    reference = reference_update(model, per_sample_cross_entropy, batches)
+    update = step_update(make_strategy(strategy, **options), model, per_sample_cross_entropy, batches)
+    assert set(reference) <= set(update), "every parameter with a gradient must be synchronised"
+    errors = relative_errors(update, reference)
+    assert max(errors.values()) <= 1e-5, errors
+
+
+@pytest.mark.parametrize("kind", ["mlp", "reused_activation"])
 @pytest.mark.parametrize("options", [{}, {"downlink": "factors"}, {"raw_input": "activations"}])
-def test_edad_matches_reference_on_mlp(options):
-    model = build("mlp")
-    batches = site_batches("mlp", sizes=(4, 1, 9, 2))
+def test_edad_matches_reference_on_mlp(kind, options):
+    model = build(kind)
+    batches = site_batches(kind, sizes=(4, 1, 9, 2))
     reference = reference_update(model, per_sample_cross_entropy, batches)
     update = step_update(make_strategy("edad", **options), model, per_sample_cross_entropy, batches)
     assert max(relative_errors(update, reference).values()) <= 1e-5
@@ -68,14 +93,21 @@ def test_reference_differs_from_unweighted_mean():
     assert max(relative_errors(unweighted, reference).values()) > 1e-2
 
 
+def test_edad_refuses_a_linear_listed_twice():
+    linear = torch.nn.Linear(12, 12)
+    model = torch.nn.Sequential(linear, torch.nn.Tanh(), linear, torch.nn.Tanh(), torch.nn.Linear(12, 5))
+    with pytest.raises(ValueError, match="edad: the Linear '0' appears again at position '2'"):
+        step_update(make_strategy("edad"), model, per_sample_cross_entropy, site_batches("mlp", sizes=(2, 3)))
+
+
 def test_layout_covers_every_parameter():
-    """Tied embedding, raw Parameters, norms: dense; Linear/Conv weights: captured."""
+    """Embedding tied to the head: one layer with both call forms; raw Parameters, norms: dense."""
     model = build("transformer")
     layout = Layout.from_model(model, site_batches("transformer")[0][0])
-    captured = {layer.module for layer in layout.layers}
-    assert captured == {"qkv", "proj", "up", "down"}, "the tied head must not be captured"
-    assert {"embed.weight", "position", "norm1.weight", "norm2.bias"} <= set(layout.uncovered)
-    covered = {layer.weight for layer in layout.layers} | {layer.bias for layer in layout.layers}
+    forms = {layer.module: layer.forms for layer in layout.layers}
+    assert forms == {"embed": ("embedding", "linear"), "qkv": ("linear",), "proj": ("linear",), "up": ("linear",), "down": ("linear",)}
+    assert {"position", "norm1.weight", "norm2.bias"} <= set(layout.uncovered)
+    covered = {layer.weight for layer in layout.layers} | {layer.bias for layer in layout.layers if layer.bias}
     assert set(layout.params) == covered | set(layout.uncovered)
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from dadfl.strategies.power_iteration import (
+    Lookups,
     effective_rank,
     factor_singular_values,
     make_generator,
@@ -166,3 +167,31 @@ def test_cuda_deterministic_and_exact():
     assert first.P.is_cuda and torch.equal(first.P, again.P)
     assert rel(first.dense(), gram(A, D)) <= 1e-5
     assert power_iteration(A, D, 2).P.is_cuda, "default generator lives on the tensors' device"
+
+
+def lookups(n=50, vocab=12, d=9, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    return Lookups(torch.randint(0, vocab, (n,), generator=g, dtype=torch.int32), torch.randn(n, d, generator=g), vocab)
+
+
+def one_hot_gradient(table: Lookups) -> torch.Tensor:
+    """onehot(ids)ᵀ rows, built explicitly (what the gather/scatter must equal)."""
+    return torch.nn.functional.one_hot(table.ids.long(), table.num_embeddings).float().T @ table.rows
+
+
+def test_embedding_lookups_alone_full_rank_reproduce_the_table_gradient():
+    table = lookups()
+    result = power_iteration(None, None, 9, lookups=table)
+    assert result.P.shape == (1, 12, 9) and result.Q.shape == (1, 9, 9)
+    assert rel(result.dense()[0], one_hot_gradient(table)) < 1e-5
+
+
+def test_tied_head_and_lookups_add_up():
+    """A head Linear tied to the table (Dᵀ A, m = vocabulary) plus the lookups, at full rank and at rank 2."""
+    table = lookups()
+    A, D = factors(n=30, k=9, m=12, seed=3)
+    full = gram(A, D)[0] + one_hot_gradient(table)
+    assert rel(power_iteration(A, D, 9, lookups=table).dense()[0], full) < 1e-5
+    best = torch.linalg.svdvals(full)[:2]
+    approx = power_iteration(A, D, 2, iterations=20, lookups=table)
+    torch.testing.assert_close(approx.S[0], best, rtol=1e-4, atol=0)

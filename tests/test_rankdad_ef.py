@@ -91,27 +91,32 @@ def test_full_rank_stays_exact_with_error_feedback(kind, reduce_on_server):
 
 
 def test_uncovered_matrices_travel_as_factors_with_the_formula_bytes():
-    """TinyTransformer: embedding tied to the head (7×8) and positions (5×8) are uncovered.
-    With raw_input="low_rank" they travel as rank-r factors where r'·(m + k) < m·k (r ≤ 3),
-    dense otherwise; with the default "dense" they travel dense as before."""
+    """TinyTransformer: the positions (5×8) are uncovered; the embedding tied to the head
+    (7×8) is a captured layer that reads the raw input (its token ids). With
+    raw_input="low_rank" the positions travel as rank-r factors where r'·(m + k) < m·k
+    (r ≤ 3), dense otherwise, and the embedding as factors of its lookups and head rows;
+    with the default "dense" both travel dense."""
     model, layout = setup("transformer")
-    uncovered = {"embed.weight": (7, 8), "position": (5, 8)}
-    assert set(uncovered) <= set(layout.uncovered)
-    dense_rest = sum(int(torch.tensor(layout.shape(n)).prod()) for n in layout.uncovered if n not in uncovered)
+    matrices = {"embed": (7, 8), "position": (5, 8)}  # payload key: (m, k)
+    assert "position" in layout.uncovered
+    embed = next(l for l in layout.layers if l.module == "embed")
+    assert embed.forms == ("embedding", "linear") and embed.raw_input
+    dense_rest = sum(int(torch.tensor(layout.shape(n)).prod()) for n in layout.uncovered if n != "position")
     layers = sum(l.groups * min(2, l.out_per_group, l.in_per_group) * (l.in_per_group + l.out_per_group)
-                 + (l.out_features if l.bias else 0) for l in layout.layers)
+                 + (l.out_features if l.bias else 0) for l in layout.layers if l is not embed)
     for rank, raw_input in ((2, "low_rank"), (5, "low_rank"), (2, "dense")):
         strategy = make_strategy("rankdad", rank=rank, raw_input=raw_input)
         sites, server = [strategy.site(layout, model) for _ in SIZES], strategy.server(layout, model)
         _, messages, traffic = one_step(strategy, model, layout, sites, server, 0, "transformer")
         floats = 0
-        for name, (m, k) in uncovered.items():
-            factored = raw_input != "dense" and min(rank, m, k) * (m + k) < m * k
+        for name, (m, k) in matrices.items():
+            # a captured layer always travels as factors when the privacy guard allows it
+            factored = raw_input != "dense" and (name == "embed" or min(rank, m, k) * (m + k) < m * k)
             floats += min(rank, m, k) * (m + k) if factored else m * k
             assert (f"{name}:P" in messages[0].tensors) == factored, (name, rank, raw_input)
             if factored:
-                assert messages[0].tensors[f"{name}:P"].shape == (m, rank)
-                assert messages[0].tensors[f"{name}:Q"].shape == (k, rank)
+                assert messages[0].tensors[f"{name}:P"].shape[-2:] == (m, rank)
+                assert messages[0].tensors[f"{name}:Q"].shape[-2:] == (k, rank)
         if rank == 2:
             assert traffic.up == [[FLOAT * (dense_rest + layers + floats)] * len(SIZES)]
             assert traffic.down == [FLOAT * (dense_rest + layers + floats)], "re-reduced to rank r"
