@@ -84,6 +84,8 @@ class ConnectConfig(StrictModel):
     server: str = Field(description="host:port of the coordinator")
     ca_cert: Path | None = Field(None, description="PEM CA certificate that signed the server's certificate")
     tls_server_name: str | None = Field(None, description="name to expect in the server certificate, if not the host")
+    client_cert: Path | None = Field(None, description="PEM certificate of this site (mutual TLS), from `dadfl enroll SITE --cert`")
+    client_key: Path | None = Field(None, description="PEM private key of client_cert")
     backoff_initial_s: float = Field(0.5, gt=0)
     backoff_max_s: float = Field(10.0, gt=0)
     max_attempts: int = Field(30, ge=1, description="connection attempts in a row before the site gives up")
@@ -92,6 +94,12 @@ class ConnectConfig(StrictModel):
     @classmethod
     def _host_port(cls, server: str) -> str:
         return check_host_port(server, lowest_port=1)
+
+    @model_validator(mode="after")
+    def _cert_with_key(self) -> "ConnectConfig":
+        if (self.client_cert is None) != (self.client_key is None):
+            raise ValueError("set both connect.client_cert and connect.client_key (mutual TLS), or neither")
+        return self
 
 
 class RunLimits(StrictModel):

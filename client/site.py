@@ -281,7 +281,8 @@ class Site:
 
 
 def open_channel(config: SiteConfig, insecure: bool) -> grpc.Channel:
-    """TLS with the configured CA; plain text only when explicitly ``insecure``."""
+    """TLS with the configured CA (and the site's certificate, for mutual TLS); plain text
+    only when explicitly ``insecure``."""
     options = channel_options(MAX_CHUNK_BYTES)
     connect = config.connect
     if insecure:
@@ -290,7 +291,13 @@ def open_channel(config: SiteConfig, insecure: bool) -> grpc.Channel:
         raise SiteRefused("TLS is on by default: set connect.ca_cert to the server's CA certificate, or pass --insecure")
     if not connect.ca_cert.is_file():
         raise SiteRefused(f"connect.ca_cert {connect.ca_cert} does not exist; copy the server's CA certificate there")
-    credentials = grpc.ssl_channel_credentials(root_certificates=connect.ca_cert.read_bytes())
+    identity = {}
+    if connect.client_cert is not None:
+        for field_name, path in (("client_cert", connect.client_cert), ("client_key", connect.client_key)):
+            if not path.is_file():
+                raise SiteRefused(f"connect.{field_name} {path} does not exist; copy the files `dadfl enroll {config.site_id} --cert` wrote there")
+        identity = {"certificate_chain": connect.client_cert.read_bytes(), "private_key": connect.client_key.read_bytes()}
+    credentials = grpc.ssl_channel_credentials(root_certificates=connect.ca_cert.read_bytes(), **identity)
     if connect.tls_server_name:
         options.append(("grpc.ssl_target_name_override", connect.tls_server_name))
     return grpc.secure_channel(connect.server, credentials, options=options)

@@ -15,10 +15,11 @@ from dadfl.config import ConfigError, load_config
 from dadfl.failures import fail, set_debug, unexpected
 from dadfl.workloads import BUILTIN
 
-from .certs import make_dev_certs
+from .certs import issue_site_certificate, make_dev_certs
 from .config import ServerConfig
 from .coordinator import RunStopped
 from .enrol import enroll as issue_token
+from .enrol import revoke as revoke_site
 from .progress import setup_logging
 from .runtime import run_server
 
@@ -34,7 +35,9 @@ def server(
     setup_logging(verbose)
     try:
         settings = load_config(config, ServerConfig)
-        if not insecure:
+        if insecure:
+            settings.require_plain_text_allowed()
+        else:
             settings.require_tls()
         run_server(settings, insecure=insecure)
     except ConfigError as exc:
@@ -54,7 +57,7 @@ def enroll(
     config: Path = typer.Option(Path("configs/server.toml"), "--config", help="server TOML (its listen.tokens file gets the token hash)"),
     address: Optional[str] = typer.Option(None, help="host:port the site dials (default: the server's listen.address)"),
     ca_cert: Path = typer.Option(Path("certs/ca.pem"), help="path of the CA certificate on the site's machine"),
-    replace: bool = typer.Option(False, "--replace", help="issue a new token for an enrolled site (the old one stops working)"),
+    replace: bool = typer.Option(False, "--replace", help="issue a new token for an enrolled site (the old one, and its certificate, stop working)"),
     out: Optional[Path] = typer.Option(None, help="write the site config here instead of printing it"),
     demo_share: Optional[str] = typer.Option(
         None, help="INDEX/COUNT: the site trains on share INDEX of COUNT of the built-in workload's data (demos) instead of its own file"
@@ -67,17 +70,30 @@ def enroll(
     workload_path: list[Path] = typer.Option(
         [], "--workload-path", help="folder on the site's machine that holds a workload package not installed there (repeatable)"
     ),
+    cert: bool = typer.Option(False, "--cert", help="also issue a site certificate signed by the federation CA (mutual TLS)"),
+    ca_dir: Path = typer.Option(Path("certs"), help="with --cert: folder of the CA's ca.pem and ca.key"),
+    cert_out: Path = typer.Option(Path("certs/sites"), help="with --cert: folder for SITE.pem and SITE.key"),
+    revoke: bool = typer.Option(False, "--revoke", help="remove the site's token and revoke its certificate instead of enrolling"),
 ) -> None:
-    """Issue a token for a site, store only its hash, print the site's config."""
+    """Issue a token (and with --cert a certificate) for a site, store only the token's hash,
+    print the site's config; or revoke a site (--revoke)."""
     try:
+        settings = load_config(config, ServerConfig)
+        if revoke:
+            revoke_site(settings.listen.tokens, site_id)
+            typer.echo(f"site {site_id} revoked in {settings.listen.tokens}: refused at every join; if connected, dropped at its next upload")
+            return
         share = parse_share(demo_share) if demo_share else None
         data_text = data_table(site_id, share, data, data_factory, data_option)
-        settings = load_config(config, ServerConfig)
-        token = issue_token(settings.listen.tokens, site_id, replace=replace)
+        issued = issue_site_certificate(ca_dir, site_id, cert_out) if cert else None
+        token = issue_token(settings.listen.tokens, site_id, replace=replace, cert_serial=issued[2] if issued else None)
     except (ConfigError, ValueError) as exc:
         fail(str(exc), 2, exc)
+    site_cert = (ca_cert.parent / f"{site_id}.pem", ca_cert.parent / f"{site_id}.key") if issued else None
+    if issued:
+        typer.echo(f"certificate {issued[0]} and key {issued[1]} issued for {site_id}: copy them to the site as {site_cert[0]} and {site_cert[1]}", err=True)
     text = site_config_text(
-        site_id, token, address or settings.listen.address, ca_cert, data_text, workload_path, settings.workload.spec
+        site_id, token, address or settings.listen.address, ca_cert, data_text, workload_path, settings.workload.spec, site_cert
     )
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -149,8 +165,10 @@ def parse_option(text: str) -> tuple[str, object]:
 
 def site_config_text(
     site_id: str, token: str, address: str, ca_cert: Path, data: str, workload_path: list[Path] = (), workload: str = "",
+    site_cert: tuple[Path, Path] | None = None,
 ) -> str:
     allowed = [*BUILTIN, *([workload] if workload and workload not in BUILTIN else [])]
+    identity = f'client_cert = "{site_cert[0]}"\nclient_key = "{site_cert[1]}"\n' if site_cert else ""
     return f"""\
 # Site config of {site_id!r}, issued by `dadfl enroll`. The token is shown only once:
 # the server keeps only its hash. Keep this file private.
@@ -168,7 +186,7 @@ allowed_workloads = {json.dumps(allowed)}
 [connect]
 server = "{address}"
 ca_cert = "{ca_cert}"
-
+{identity}
 {data}
 [evaluation]
 # Held-out data the site evaluates the global model on (every eval_every steps):

@@ -22,6 +22,10 @@ class ListenConfig(StrictModel):
     tls_cert: Path | None = Field(None, description="PEM certificate chain of the server")
     tls_key: Path | None = Field(None, description="PEM private key of the server")
     tokens: Path = Field(Path("tokens.json"), description="enrolled sites and their token hashes")
+    client_ca: Path | None = Field(None, description="PEM CA certificate that signs site certificates (mutual TLS)")
+    require_client_cert: bool = Field(
+        False, description="refuse sites without a certificate from client_ca naming their site id (`dadfl enroll SITE --cert`)"
+    )
 
     @field_validator("address")
     @classmethod
@@ -88,6 +92,7 @@ class FederationConfig(StrictModel):
         "the operator re-admits it by deleting its entry)"
     )
     max_eval_samples: int = Field(10_000_000, ge=1, description="largest held-out sample count a site may report")
+    sync_per_minute: int = Field(60, ge=1, description="full-state resends a site may ask for per minute (at most one per step)")
 
     @model_validator(mode="after")
     def _initial_at_least_quorum(self) -> "FederationConfig":
@@ -127,4 +132,13 @@ class ServerConfig(StrictModel):
         for path in (self.listen.tls_cert, self.listen.tls_key):
             if not path.is_file():
                 raise ValueError(f"TLS file {path} does not exist (listen.tls_cert / listen.tls_key)")
+        if self.listen.require_client_cert and self.listen.client_ca is None:
+            raise ValueError("listen.require_client_cert needs listen.client_ca, the CA that signs site certificates (e.g. certs/ca.pem)")
+        if self.listen.client_ca is not None and not self.listen.client_ca.is_file():
+            raise ValueError(f"listen.client_ca {self.listen.client_ca} does not exist")
         return self.listen.tls_cert, self.listen.tls_key
+
+    def require_plain_text_allowed(self) -> None:
+        """--insecure cannot check client certificates: refuse rather than silently skip them."""
+        if self.listen.require_client_cert:
+            raise ValueError("listen.require_client_cert needs TLS: drop --insecure (or set listen.require_client_cert = false)")

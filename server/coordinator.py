@@ -76,7 +76,8 @@ from dadfl.workloads import load_workload
 
 from . import checkpoint
 from .config import ServerConfig
-from .enrol import SITE_ID_PATTERN, SITE_ID_RULE, EnrolmentError, verify
+from .certs import check_client_certificate
+from .enrol import SITE_ID_PATTERN, SITE_ID_RULE, Enrolment, EnrolmentError, token_hash, verify
 from .evaluation import EvalRejected, SiteEval, check_report, combine
 from .links import FINISH, Close, Closed, Done, SiteLink, SyncRequest, Upload
 from .progress import OperatorView
@@ -87,7 +88,10 @@ log = logging.getLogger("dadfl.server")
 
 PROTOCOL_VERSION = 1
 GRPC_FRAME_BYTES = 5  # length prefix of every gRPC message
+HELLO_TIMEOUT_S = 10.0  # a site says hello as soon as its stream opens
 HANDSHAKE_TIMEOUT_S = 120.0  # a site builds its replica between config and ready
+MAX_HANDSHAKES = 64  # streams between hello and admission at once; more wait (RESOURCE_EXHAUSTED, the site retries)
+MAX_HANDSHAKE_MESSAGE_BYTES = 1024  # hello (site id, token) and ready (a fingerprint) are small
 MAX_ATTEMPTS_PER_STEP = 5
 MAX_STATE_STEPS = 8  # a site keeps three saved strategy states; more in its ready message are ignored
 INLINE_BYTES = 1 << 20  # smaller work runs on the event loop: a hop to a worker thread costs more
@@ -165,6 +169,8 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         self.finished = False
         self.known_sites: set[str] = set()  # every site that took part in this server's run
         self.told_finished: set[str] = set()
+        self.handshakes = 0  # streams between hello and admission (or the finished answer)
+        self.enrolment = Enrolment(Path(config.listen.tokens))
         self.server_half = self.strategy.server(self.layout, self.replica.model)
         self.reset_reason = ""  # set when the server half could not be restored: reset everywhere
         if resumed and resumed.strategy_state is None:
@@ -201,7 +207,14 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         )
 
     async def Join(self, request_iterator, context):
-        link = await self._handshake(context)
+        if self.handshakes >= MAX_HANDSHAKES:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{MAX_HANDSHAKES} sites are joining at once; retry shortly")
+        self.handshakes += 1
+        try:
+            link = await self._handshake(context)
+        finally:
+            self.handshakes -= 1
+            self.changed.set()  # the linger after the last step waits for handshakes under way
         if link is None:
             return
         reader = asyncio.create_task(self._read_site(link, context))
@@ -214,7 +227,10 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                     reason = one_line(item.reason)  # reasons may quote what the site sent
                     log.warning("closing site %s: %s", link.site_id, reason)
                     await context.abort(item.code, reason)
-                await context.write(item)
+                if not await self._write(link, context, item):
+                    continue  # closed while the write waited: the Close is next in the outbox
+        except asyncio.CancelledError:
+            log.info("site %s: stream cancelled (the server is stopping)", link.site_id)
         finally:
             reader.cancel()
             link.gone("stream ended")
@@ -223,9 +239,29 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                 self.changed.set()
             log.info("site %s disconnected", link.site_id)
 
+    @staticmethod
+    async def _write(link: SiteLink, context, message: cpb.ServerMessage) -> bool:
+        """Write one message; False when the link was closed while the write waited for a
+        site that does not read (``SiteLink.close`` fires the timeout at once)."""
+        if link.closed:
+            return False
+        try:
+            async with asyncio.timeout(None) as link.pending_write:
+                await context.write(message)
+        except TimeoutError:
+            return False
+        finally:
+            link.pending_write = None
+        return True
+
     async def _handshake(self, context) -> SiteLink | None:
-        """Hello, token check, config, layout check; None when the run is already over."""
-        first = await self._read_one(context, "hello")
+        """Hello, token (and certificate) check, config, layout check; None when the run is over.
+
+        Nothing is buffered for a site before it is admitted: the handshake reads exactly
+        two messages (hello, ready), each bounded in size and time; after it, anything the
+        site sends before the server admitted it (state, then step_begin) ends its stream.
+        """
+        first = await self._read_one(context, "hello", HELLO_TIMEOUT_S)
         hello = first.hello
         if hello.protocol_version != PROTOCOL_VERSION:
             await context.abort(
@@ -237,6 +273,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the site id must be {SITE_ID_RULE}")
         try:
             verify(Path(self.config.listen.tokens), hello.site_id, hello.token)
+            check_client_certificate(context, Path(self.config.listen.tokens), hello.site_id, self.config.listen.require_client_cert)
         except EnrolmentError as exc:
             log.warning("refused %s from %s: %s", hello.site_id, context.peer(), exc)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED if exc.unknown else grpc.StatusCode.PERMISSION_DENIED, str(exc))
@@ -253,20 +290,22 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, quarantined)
         await context.write(cpb.ServerMessage(config=self.run_config()))
         if self.finished:  # a late site still gets the final model
-            for message in self._state_messages():
-                await context.write(message)
-            await context.write(cpb.ServerMessage(finished=cpb.Finished(reason=f"run {self.run_id} has finished")))
-            self.told_finished.add(hello.site_id)
-            self.changed.set()
+            await self._tell_finished(context, hello.site_id)
             return None
-        ready = (await self._read_one(context, "ready", hello.site_id)).ready
+        ready = (await self._read_one(context, "ready", HANDSHAKE_TIMEOUT_S, hello.site_id)).ready
         if ready.layout_fingerprint != self.layout.fingerprint():
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"site {hello.site_id} built model layout {one_line(ready.layout_fingerprint, 64)} but the server has "
                 f"{self.layout.fingerprint()}: site and server must run the same dadfl, torch and workload code",
             )
-        link = SiteLink(hello.site_id, context.peer(), self.arrivals)
+        if self.finished:  # the last step ended while the site built its replica
+            await self._tell_finished(context, hello.site_id)
+            return None
+        link = SiteLink(
+            hello.site_id, context.peer(), self.arrivals, max_queued_bytes=self.config.wire.max_payload_bytes,
+            sync_per_minute=self.config.federation.sync_per_minute, token_hash=token_hash(hello.token),
+        )
         link.state_steps = frozenset(list(ready.strategy_state_steps)[:MAX_STATE_STEPS])
         previous = self.links.get(link.site_id)
         if previous is not None:
@@ -276,12 +315,20 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         log.info("site %s joined from %s", link.site_id, link.peer)
         return link
 
-    async def _read_one(self, context, expected: str, site_id: str | None = None) -> cpb.SiteMessage:
+    async def _tell_finished(self, context, site_id: str) -> None:
+        """A site that joins a finished run gets the final state and ``finished``, then the stream ends."""
+        for message in self._state_messages():
+            await context.write(message)
+        await context.write(cpb.ServerMessage(finished=cpb.Finished(reason=f"run {self.run_id} has finished")))
+        self.told_finished.add(site_id)
+        self.changed.set()
+
+    async def _read_one(self, context, expected: str, timeout: float, site_id: str | None = None) -> cpb.SiteMessage:
         who = f"site {site_id}" if site_id else f"a stream from {context.peer()}"
         try:
-            message = await asyncio.wait_for(context.read(), HANDSHAKE_TIMEOUT_S)
+            message = await asyncio.wait_for(context.read(), timeout)
         except asyncio.TimeoutError:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"no {expected} message within {HANDSHAKE_TIMEOUT_S:.0f} s")
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"no {expected} message within {timeout:.0f} s")
         except DecodeError:
             log.warning("%s sent bytes that are not a dadfl message instead of its %s; refused", who, expected)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"expected a {expected} message, got bytes that are not a dadfl message")
@@ -290,6 +337,11 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             if site_id and message is grpc.aio.EOF:
                 log.warning("site %s closed its stream instead of sending %s (it refused the run config or its data: see its log)", site_id, expected)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"expected a {expected} message, got {got}")
+        if message.ByteSize() > MAX_HANDSHAKE_MESSAGE_BYTES:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{expected} message of {message.ByteSize()} bytes; at most {MAX_HANDSHAKE_MESSAGE_BYTES} (site ids are at most 64 characters)",
+            )
         return message
 
     async def _read_site(self, link: SiteLink, context) -> None:
@@ -302,6 +354,17 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                     break
                 link.wire_up += wire_size(message)
                 kind = message.WhichOneof("kind")
+                if not link.admitted:
+                    link.close(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"site {link.site_id} sent a {kind or 'empty'} message before it was admitted "
+                        "(a site sends nothing between ready and its first step_begin)",
+                    )
+                    break
+                if kind != "chunk" or message.chunk.HasField("header"):  # once per payload, not per chunk
+                    if revoked := self.enrolment.revocation(link.site_id, link.token_hash):
+                        link.close(grpc.StatusCode.PERMISSION_DENIED, revoked)
+                        break
                 if kind == "chunk":
                     try:
                         assembled = assembler.feed(message.chunk)
@@ -314,6 +377,9 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                     done = message.step_done
                     link.deliver(Done(done.step, done.attempt, done.fingerprint, done.eval if done.HasField("eval") else None))
                 elif kind == "sync_request":
+                    if refusal := link.sync_refusal():
+                        link.close(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+                        break
                     link.deliver(SyncRequest(message.sync_request.step, message.sync_request.fingerprint))
                 else:
                     link.close(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {kind or 'empty'} message after the handshake")
@@ -325,7 +391,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         except Exception as exc:  # the connection broke under the read
             link.gone(f"connection lost: {exc}")
         finally:
-            link.outbox.put_nowait(FINISH)
+            link.finish()
 
     def _send(self, link: SiteLink, *messages: cpb.ServerMessage) -> None:
         link.wire_down += sum(wire_size(m) for m in messages)
@@ -343,6 +409,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
     async def run(self) -> None:
         """Train until ``training.steps``; checkpoint and write the final model."""
         steps = self.config.training.steps
+        finished_at_start = self.step >= steps
         first = True
         with MetricsWriter(self.run_dir / "metrics.jsonl") as metrics, self.view:
             while self.step < steps:
@@ -370,21 +437,29 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             if not link.admitted:  # joined during the last step: send it the final model
                 self._send(link, *self._state_messages())
             self._send(link, cpb.ServerMessage(finished=cpb.Finished(reason=f"run {self.run_id} finished after {steps} steps")))
-            link.outbox.put_nowait(FINISH)
+            link.finish()
             self.told_finished.add(link.site_id)
         log.info("run %s finished: %d steps, model in %s", self.run_id, steps, self.run_dir / checkpoint.FINAL_MODEL)
         await asyncio.to_thread(self._write_report)  # the sites already know the run is over
-        await self._linger()
+        await self._linger(finished_at_start)
 
-    async def _linger(self) -> None:
-        """Give sites that were disconnected at the end ``linger_s`` to reconnect and hear it."""
+    async def _linger(self, finished_at_start: bool) -> None:
+        """Keep listening ``linger_s`` for sites that have not heard that the run finished.
+
+        Those are the sites that took part and were disconnected at the end, or, when the
+        server started on an already finished run (a second ``docker compose up``), every
+        enrolled site. A site that joins meanwhile gets the final state and ``finished``
+        and stops; handshakes under way are waited for. Then the server stops listening.
+        """
+        expected = set(self.enrolment.site_ids()) if finished_at_start else self.known_sites
         deadline = time.monotonic() + self.config.federation.linger_s
-        while (missing := self.known_sites - self.told_finished) and (remaining := deadline - time.monotonic()) > 0:
+        while ((missing := expected - self.told_finished) or self.handshakes) and (remaining := deadline - time.monotonic()) > 0:
             self.changed.clear()
             try:
                 await asyncio.wait_for(self.changed.wait(), remaining)
             except asyncio.TimeoutError:
-                log.warning("%s did not reconnect after the run finished", ", ".join(sorted(missing)))
+                if missing:
+                    log.warning("%s did not reconnect after the run finished", ", ".join(sorted(missing)))
 
     async def _quorum(self, need: int) -> list[SiteLink]:
         """Wait for ``need`` connected sites; send the current state to new ones."""

@@ -1,9 +1,15 @@
-"""Site enrolment: tokens issued once, only their SHA-256 hashes stored.
+"""Site enrolment: tokens issued once, only their SHA-256 hashes stored; revocation.
 
-The token file is JSON, ``{"sites": {"<site id>": {"sha256": "<hex>", "enrolled": "<iso time>"}}}``,
-rewritten atomically. Tokens are 256 random bits, so a plain SHA-256 is a safe hash
-(no dictionary to attack); comparison is constant-time. The server rereads the file at
-every join, so a site enrolled while the server runs can join at once.
+The token file is JSON, rewritten atomically::
+
+    {"sites": {"<site id>": {"sha256": "<hex>", "enrolled": "<iso time>", "cert_serial": "<hex>"}},
+     "revoked": [{"site": "<site id>", "cert_serial": "<hex>", "revoked": "<iso time>"}]}
+
+``cert_serial`` is present when ``dadfl enroll --cert`` issued the site a certificate.
+Tokens are 256 random bits, so a plain SHA-256 is a safe hash (no dictionary to attack);
+comparison is constant-time. The server rereads the file at every join, so a site
+enrolled while the server runs can join at once, and a revoked one cannot; a revoked
+site that is connected is dropped at its next upload (:class:`Enrolment`).
 """
 
 from __future__ import annotations
@@ -38,10 +44,16 @@ def token_hash(token: str) -> str:
 def read_tokens(path: Path) -> dict[str, dict]:
     """The enrolled sites (none when the file does not exist yet); ValueError naming the file
     when it is not a token file ``dadfl enroll`` wrote."""
+    return read_enrolment(path)[0]
+
+
+def read_enrolment(path: Path) -> tuple[dict[str, dict], list[dict]]:
+    """The enrolled sites and the revoked list (see the module's docstring)."""
     if not path.exists():
-        return {}
+        return {}, []
     try:
-        sites = json.loads(path.read_text())["sites"]
+        data = json.loads(path.read_text())
+        sites, revoked = data["sites"], data.get("revoked", [])
     except (ValueError, KeyError, TypeError, OSError) as exc:
         raise ValueError(f"{path}: not a dadfl token file ({type(exc).__name__}); re-enrol the sites with `dadfl enroll`") from None
     if not isinstance(sites, dict):
@@ -49,7 +61,13 @@ def read_tokens(path: Path) -> dict[str, dict]:
     for site_id, entry in sites.items():
         if not re.match(SITE_ID_PATTERN, site_id) or not isinstance(entry, dict) or not re.fullmatch(r"[0-9a-f]{64}", str(entry.get("sha256"))):
             raise ValueError(f"{path}: the entry of site {printable(site_id)} is not one `dadfl enroll` writes; re-enrol it with `dadfl enroll --replace`")
-    return sites
+    if not isinstance(revoked, list) or not all(isinstance(item, dict) for item in revoked):
+        raise ValueError(f"{path}: 'revoked' is not a list of revoked sites; restore it from a backup or remove it")
+    return sites, revoked
+
+
+def now_text() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
 
 def check_tokens_file(path: Path) -> int:
@@ -65,30 +83,57 @@ def check_tokens_file(path: Path) -> int:
         raise ValueError(f"listen.tokens: {exc}") from None
 
 
-def enroll(path: Path, site_id: str, replace: bool = False) -> str:
-    """Issue a new token for ``site_id``, store its hash, return the token (shown once)."""
+def enroll(path: Path, site_id: str, replace: bool = False, cert_serial: int | None = None) -> str:
+    """Issue a new token for ``site_id``, store its hash (and its certificate's serial), return
+    the token (shown once). Replacing an enrolment revokes the old certificate."""
     if not re.match(SITE_ID_PATTERN, site_id):
         raise ValueError(f"site id {printable(site_id)} must be {SITE_ID_RULE}")
-    sites = read_tokens(path)
+    sites, revoked = read_enrolment(path)
     if site_id in sites and not replace:
         raise ValueError(f"site {site_id!r} is already enrolled in {path}; pass --replace to issue a new token (the old one stops working)")
+    if site_id in sites:
+        revoked += _revoked_entries(site_id, sites[site_id])
     token = secrets.token_urlsafe(32)
-    sites[site_id] = {"sha256": token_hash(token), "enrolled": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    write_tokens(path, sites)
+    sites[site_id] = {"sha256": token_hash(token), "enrolled": now_text()}
+    if cert_serial is not None:
+        sites[site_id]["cert_serial"] = f"{cert_serial:x}"
+    write_tokens(path, sites, revoked)
     return token
 
 
-def write_tokens(path: Path, sites: dict[str, dict]) -> None:
+def revoke(path: Path, site_id: str) -> None:
+    """Remove ``site_id``'s token and put its certificate on the revoked list."""
+    sites, revoked = read_enrolment(path)
+    if site_id not in sites:
+        raise ValueError(f"site {printable(site_id)} is not enrolled in {path}; nothing to revoke")
+    revoked += _revoked_entries(site_id, sites.pop(site_id))
+    if not any(entry.get("site") == site_id for entry in revoked):
+        revoked.append({"site": site_id, "revoked": now_text()})
+    write_tokens(path, sites, revoked)
+
+
+def _revoked_entries(site_id: str, entry: dict) -> list[dict]:
+    serial = entry.get("cert_serial")
+    return [{"site": site_id, "cert_serial": serial, "revoked": now_text()}] if serial else []
+
+
+def write_tokens(path: Path, sites: dict[str, dict], revoked: list[dict] | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"sites": sites}, indent=2, sort_keys=True) + "\n")
+    tmp.write_text(json.dumps({"sites": sites, "revoked": revoked or []}, indent=2, sort_keys=True) + "\n")
     os.chmod(tmp, 0o600)
     os.replace(tmp, path)
 
 
 def verify(path: Path, site_id: str, token: str) -> None:
     """Raise :class:`EnrolmentError` with the reason unless ``token`` is ``site_id``'s token."""
-    entry = read_tokens(path).get(site_id)
+    sites, revoked = read_enrolment(path)
+    entry = sites.get(site_id)
+    if entry is None and any(item.get("site") == site_id for item in revoked):
+        raise EnrolmentError(
+            f"site {site_id!r} was revoked on this server; `dadfl enroll {site_id}` enrols it again with a new token",
+            unknown=True,
+        )
     if entry is None:
         raise EnrolmentError(
             f"site {site_id!r} is not enrolled on this server; run `dadfl enroll {site_id}` on the server "
@@ -100,3 +145,59 @@ def verify(path: Path, site_id: str, token: str) -> None:
             f"wrong token for site {site_id!r}; use the token `dadfl enroll` printed for it, or re-enrol with --replace",
             unknown=False,
         )
+
+
+def verify_certificate(path: Path, site_id: str, serial: int) -> None:
+    """Raise :class:`EnrolmentError` when the certificate ``serial`` presented for ``site_id``
+    is revoked, or is not the one ``dadfl enroll --cert`` issued to the site."""
+    sites, revoked = read_enrolment(path)
+    serial_text = f"{serial:x}"
+    if any(item.get("cert_serial") == serial_text for item in revoked):
+        raise EnrolmentError(f"the certificate of site {site_id!r} (serial {serial_text}) was revoked", unknown=False)
+    issued = sites.get(site_id, {}).get("cert_serial")
+    if issued is not None and issued != serial_text:
+        raise EnrolmentError(
+            f"site {site_id!r} presented certificate serial {serial_text} but was issued {issued}; "
+            f"use the certificate `dadfl enroll {site_id} --cert` wrote",
+            unknown=False,
+        )
+
+
+class Enrolment:
+    """The token file as the running coordinator sees it, reread only when it changes.
+
+    :meth:`revocation` tells whether a connected site's enrolment still stands: a site
+    revoked (or re-enrolled with a new token) while connected is dropped at its next upload.
+    A file that goes missing or becomes unreadable keeps the last good view (joins report the error).
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._stamp: tuple[int, int] | None = None
+        self._sites: dict[str, dict] = {}
+
+    def sites(self) -> dict[str, dict]:
+        try:
+            stat = self.path.stat()
+        except FileNotFoundError:
+            return self._sites
+        stamp = (stat.st_mtime_ns, stat.st_size)
+        if stamp != self._stamp:
+            try:
+                self._sites = read_tokens(self.path)
+                self._stamp = stamp
+            except ValueError:
+                pass
+        return self._sites
+
+    def site_ids(self) -> list[str]:
+        return list(self.sites())
+
+    def revocation(self, site_id: str, joined_with: str) -> str | None:
+        """Why ``site_id``, which joined with token hash ``joined_with``, may no longer take part."""
+        entry = self.sites().get(site_id)
+        if entry is None:
+            return f"site {site_id!r} was revoked on the server (`dadfl enroll --revoke`)"
+        if not hmac.compare_digest(str(entry.get("sha256", "")), joined_with):
+            return f"site {site_id!r} was enrolled again with a new token; reconnect with the new token"
+        return None

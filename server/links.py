@@ -1,4 +1,4 @@
-"""One connected site as the coordinator's step loop sees it: an inbox and an outbox.
+"""One connected site as the coordinator's step loop sees it: an inbox and an outbox, both bounded.
 
 The gRPC handler of a site's stream (``Coordinator.Join``) reads the site's messages
 into ``inbox`` as events and writes whatever the step loop puts into ``outbox``. Every
@@ -6,17 +6,32 @@ event also puts its link into ``arrivals``, a queue shared by all links, so the 
 loop takes events in the order they arrive with a single wait (rather than one waiting
 task per site). The step loop never touches gRPC objects; it closes a link (with a
 status and a reason the site will see) to drop a site.
+
+What a site can make the coordinator hold is bounded (a site over a bound is dropped
+with RESOURCE_EXHAUSTED and the reason):
+
+- inbox: at most ``MAX_QUEUED_EVENTS`` events and ``max_queued_bytes`` of uploads waiting
+  for the step loop (an honest site has at most one upload waiting);
+- outbox: a site may lag at most one step behind in reading what the server sends: when
+  a step begins, nothing queued before the previous step's begin may still be waiting
+  (an honest site has read it all before it could report that step done);
+- state resends: at most one per step (per ``step_begin``) and ``sync_per_minute`` per minute.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import grpc
 
 from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.protos.codec import Assembled
+
+MAX_QUEUED_EVENTS = 16
+SYNC_WINDOW_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -57,32 +72,135 @@ class Close:
 FINISH = object()  # outbox item: end the stream normally
 
 
+class Inbox:
+    """A site's events waiting for the step loop (``empty``/``get_nowait`` as an asyncio.Queue)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.events: deque[Event] = deque()
+        self.upload_bytes = 0
+
+    def empty(self) -> bool:
+        return not self.events
+
+    def get_nowait(self) -> Event:
+        event = self.events.popleft()
+        if isinstance(event, Upload):
+            self.upload_bytes -= event.payload.header.total_bytes
+        return event
+
+    def overflow(self, event: Event) -> str | None:
+        """Why ``event`` would exceed the bounds, or None."""
+        if len(self.events) >= MAX_QUEUED_EVENTS:
+            return f"{len(self.events)} messages are already waiting for the step loop (at most {MAX_QUEUED_EVENTS})"
+        if isinstance(event, Upload) and self.upload_bytes + event.payload.header.total_bytes > self.max_bytes:
+            return (
+                f"{self.upload_bytes + event.payload.header.total_bytes} bytes of uploads would wait for the step loop "
+                f"(at most {self.max_bytes}, wire.max_payload_bytes)"
+            )
+        return None
+
+    def put(self, event: Event) -> None:
+        self.events.append(event)
+        if isinstance(event, Upload):
+            self.upload_bytes += event.payload.header.total_bytes
+
+
+class Outbox:
+    """What the server sends a site, tagged with the number of step begins queued before it."""
+
+    def __init__(self):
+        self.items: deque[tuple[int, object]] = deque()
+        self.ready = asyncio.Event()
+        self.steps = 0  # step_begin messages queued so far
+
+    def put(self, item) -> None:
+        if isinstance(item, cpb.ServerMessage) and item.WhichOneof("kind") == "step_begin":
+            self.steps += 1
+        self.items.append((self.steps, item))
+        self.ready.set()
+
+    def put_first(self, item) -> None:
+        """Drop what is still queued and send ``item`` next (a closing status)."""
+        self.items.clear()
+        self.items.append((self.steps, item))
+        self.ready.set()
+
+    def lagging(self) -> bool:
+        """Whether something queued before the previous step's begin is still waiting."""
+        return bool(self.items) and self.items[0][0] < self.steps - 1
+
+    async def get(self):
+        while not self.items:
+            self.ready.clear()
+            await self.ready.wait()
+        return self.items.popleft()[1]
+
+
 @dataclass(eq=False)
 class SiteLink:
     site_id: str
     peer: str
     arrivals: asyncio.Queue  # shared by every link: this link, once per event it receives
-    inbox: asyncio.Queue = field(default_factory=asyncio.Queue)
-    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+    max_queued_bytes: int = 1 << 30
+    sync_per_minute: int = 60
+    token_hash: str = ""  # the enrolment it joined with: a revoked or re-enrolled site is dropped
+    inbox: Inbox = field(init=False)
+    outbox: Outbox = field(default_factory=Outbox)
     admitted: bool = False  # has received the current state and takes part in steps
     closed: bool = False
+    pending_write: asyncio.Timeout | None = None  # a write under way; closing fires it, so a site that does not read is dropped
     wire_up: int = 0  # bytes of every message received / sent, gRPC framing included
     wire_down: int = 0
     state_steps: frozenset[int] = frozenset()  # steps at whose start the site can restore its strategy half
+    sync_step: int = -1  # outbox.steps when the state was last resent
+    sync_times: deque = field(default_factory=deque)
+
+    def __post_init__(self) -> None:
+        self.inbox = Inbox(self.max_queued_bytes)
 
     def deliver(self, event: Event) -> None:
-        self.inbox.put_nowait(event)
+        if not isinstance(event, Closed) and (reason := self.inbox.overflow(event)):
+            self.close(grpc.StatusCode.RESOURCE_EXHAUSTED, f"site {self.site_id} sent too much ahead of the server: {reason}")
+            return
+        self.inbox.put(event)
         self.arrivals.put_nowait(self)
 
     def send(self, *messages: cpb.ServerMessage) -> None:
+        if self.closed:
+            return
         for message in messages:
-            self.outbox.put_nowait(message)
+            self.outbox.put(message)
+        if self.outbox.lagging():
+            self.close(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"site {self.site_id} is more than one step behind in reading what the server sends",
+            )
+
+    def sync_refusal(self) -> str | None:
+        """Why a state resend asked for now is refused (None: resend it); records the resend."""
+        if self.sync_step == self.outbox.steps:
+            return f"site {self.site_id} asked for the state again within one step (one resend per step)"
+        now = time.monotonic()
+        while self.sync_times and now - self.sync_times[0] > SYNC_WINDOW_S:
+            self.sync_times.popleft()
+        if len(self.sync_times) >= self.sync_per_minute:
+            return f"site {self.site_id} asked for the state more than {self.sync_per_minute} times in a minute (federation.sync_per_minute)"
+        self.sync_step = self.outbox.steps
+        self.sync_times.append(now)
+        return None
+
+    def finish(self) -> None:
+        """End the stream normally once everything queued is sent."""
+        self.outbox.put(FINISH)
 
     def close(self, code: grpc.StatusCode, reason: str) -> None:
         """Drop the site: its stream ends with ``code`` and ``reason``; the step loop sees Closed."""
         if not self.closed:
             self.closed = True
-            self.outbox.put_nowait(Close(code, reason))
+            self.outbox.put_first(Close(code, reason))
+            if self.pending_write is not None:
+                self.pending_write.reschedule(0)  # a deadline in the past: the write stops now
             self.deliver(Closed(reason))
 
     def gone(self, reason: str) -> None:

@@ -27,9 +27,14 @@ STOP_GRACE_S = 2.0
 async def serve(config: ServerConfig, insecure: bool = False, on_listening: Callable[[str], None] | None = None) -> None:
     """Listen, run the federation to its last step, stop. TLS unless ``insecure``."""
     credentials = None
-    if not insecure:
+    if insecure:
+        config.require_plain_text_allowed()
+    else:
         cert, key = config.require_tls()
-        credentials = grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())])
+        client_ca = config.listen.client_ca.read_bytes() if config.listen.client_ca else None
+        credentials = grpc.ssl_server_credentials(
+            [(key.read_bytes(), cert.read_bytes())], root_certificates=client_ca, require_client_auth=config.listen.require_client_cert
+        )
     enrolled = check_tokens_file(Path(config.listen.tokens))
     log.info("%d site(s) enrolled in %s", enrolled, config.listen.tokens)
     coordinator = Coordinator(config)
@@ -43,7 +48,8 @@ async def serve(config: ServerConfig, insecure: bool = False, on_listening: Call
     await server.start()
     endpoint_file = Path(config.run_dir) / ENDPOINT_FILE
     _write_atomic(endpoint_file, endpoint)
-    log.info("coordinator listening on %s (%s), run folder %s", endpoint, "plain text" if insecure else "TLS", config.run_dir)
+    security = "plain text" if insecure else "mutual TLS" if config.listen.require_client_cert else "TLS"
+    log.info("coordinator listening on %s (%s), run folder %s", endpoint, security, config.run_dir)
     if on_listening:
         on_listening(endpoint)
     try:
