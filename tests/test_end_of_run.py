@@ -1,0 +1,68 @@
+"""The end of a run: a site that joins while the last step ends, or after it, hears
+`finished`, gets the final model and stops at once; the server stops listening after linger_s."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import time
+
+import pytest
+
+import dadfl.client.site as site_module
+from dadfl.metrics import read_metrics
+from dadfl.server import checkpoint
+from network_helpers import ServerThread, SiteThread, dadfl_command, server_config, site_config, write_toml
+
+LATE = "late"
+
+
+class LateReady(site_module.Session):
+    """The late site says hello during the run but answers `ready` only once the run has finished."""
+
+    run_dir = None
+
+    def handle(self, message):
+        if self.site.config.site_id == LATE and message.WhichOneof("kind") == "config":
+            deadline = time.monotonic() + 60
+            while not (LateReady.run_dir / checkpoint.FINAL_MODEL).exists():
+                assert time.monotonic() < deadline, "the run did not finish"
+                time.sleep(0.02)
+        return super().handle(message)
+
+
+def test_site_whose_ready_comes_after_the_last_step_is_told_finished(tmp_path, monkeypatch, caplog):
+    caplog.set_level(logging.INFO)
+    config = server_config(tmp_path, training={"steps": 3}, federation={"min_sites": 1, "linger_s": 20})
+    LateReady.run_dir = config.run_dir
+    monkeypatch.setattr(site_module, "Session", LateReady)
+    server = ServerThread(config).start()
+    late = SiteThread(site_config(tmp_path, LATE, server.endpoint, 1, 2)).start()
+    time.sleep(0.5)  # its hello is in before the run starts
+    honest = SiteThread(site_config(tmp_path, "honest", server.endpoint, 0, 2)).start()
+    started = time.monotonic()
+    summary = late.join(60)
+    assert honest.join(60).steps == 3
+    server.join(30)
+    assert time.monotonic() - started < 15, "the server stopped once every site heard the run finished, not after linger_s"
+    final = list(read_metrics(tmp_path / "run" / "metrics.jsonl"))[-1]["fingerprint"]
+    assert summary.finished and summary.connections == 1 and summary.steps == 0
+    assert summary.fingerprint == final, "the late site loaded the final model"
+    assert "CancelledError" not in caplog.text and "Traceback" not in caplog.text
+
+
+def test_site_joining_a_finished_run_exits_0_promptly(tmp_path):
+    config = server_config(tmp_path, training={"steps": 2}, federation={"min_sites": 1, "linger_s": 60})
+    server = ServerThread(config).start()
+    SiteThread(site_config(tmp_path, "first", server.endpoint, 0, 1)).start().join(60)
+    server.join(90)
+    # a second `docker compose up`: the server resumes a finished run, a site of the federation starts
+    again = ServerThread(config).start()
+    site_toml = site_config(tmp_path, "first", again.endpoint, 0, 1).model_dump(mode="json", exclude_none=True)
+    started = time.monotonic()
+    result = subprocess.run([*dadfl_command("site", "--config", str(write_toml(tmp_path / "site.toml", site_toml)), "--insecure")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "has finished" in result.stdout and "0 steps" in result.stdout
+    again.join(30)
+    assert time.monotonic() - started < 30, "the server stopped once every enrolled site heard it, well before linger_s"
