@@ -163,7 +163,7 @@ def preadmission_flood(flood_mib: int) -> dict:
     }
 
 
-def sync_flood(requests: int, steps: int = 30) -> dict:
+def sync_flood(requests: int, steps: int = 200) -> dict:
     import dadfl.client.site as site_module
     from dadfl.client.config import SiteConfig
 
@@ -223,8 +223,8 @@ num_sites = 2
     return {
         "scenario": "sync flood",
         "sync_requests": requests,
-        "state_resends": log.count("resending the state"),
-        "refusals": log.count("RESOURCE_EXHAUSTED") + log.count("sync requests"),
+        "state_resends": log.count("flooder has weights"),
+        "flooder_dropped": log.count("closing site flooder"),
         "flooder": summary if isinstance(summary, str) else f"{summary.steps} steps, {summary.connections} connections",
         "server_exit": server.returncode,
         "honest_exit": honest_rc,

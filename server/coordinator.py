@@ -207,6 +207,12 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         )
 
     async def Join(self, request_iterator, context):
+        try:
+            await self._join(context)
+        except asyncio.CancelledError:  # the server is stopping: the stream ends here, nothing to report
+            log.info("a site stream was cancelled: the server is stopping")
+
+    async def _join(self, context) -> None:
         if self.handshakes >= MAX_HANDSHAKES:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{MAX_HANDSHAKES} sites are joining at once; retry shortly")
         self.handshakes += 1
@@ -229,8 +235,6 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                     await context.abort(item.code, reason)
                 if not await self._write(link, context, item):
                     continue  # closed while the write waited: the Close is next in the outbox
-        except asyncio.CancelledError:
-            log.info("site %s: stream cancelled (the server is stopping)", link.site_id)
         finally:
             reader.cancel()
             link.gone("stream ended")

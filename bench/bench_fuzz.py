@@ -1,0 +1,481 @@
+"""Fuzzing an enrolled site's uploads and protocol against a real coordinator (a benchmark, not a test).
+
+    python bench/bench_fuzz.py [--cases 300] [--budget-s 90] [--strategy dad] [--seed 0]
+
+A coordinator process and two honest site processes (``dadfl server`` / ``dadfl site``,
+plain text on loopback) train the digits MLP; a third, enrolled site runs in this process
+with the real site code, except that each of its steps carries one fuzz case:
+
+- mutations of its genuine upload: bit flips in the tensor bytes, random bytes, tensors
+  scaled by 1e6, truncation (a short last chunk marked last), chunks reordered, header
+  fields changed (step, phase, attempt, num_samples, loss_sum, total_bytes, a tensor's
+  shape, dtype, codec, offset or byte count), an oversize declared payload, a chunk over
+  gRPC's message limit;
+- protocol abuse: a sync-request flood at step begin, a chunk flood before admission,
+  garbage bytes as the first message, a 1 MiB hello.
+
+Every refused case ends the fuzzing site's stream; it reconnects at once and the next
+case runs. Reported: cases run and by outcome (refused with which status, accepted),
+crashes (the coordinator or an honest site not exiting 0), accepted uploads whose decoded
+tensors differ from the genuine ones (``accepted_mutated``: what a bounded-influence rule
+must catch; their largest norm ratio to the genuine upload), peak coordinator RSS, and
+the final model against a clean run of the two honest sites alone (test accuracy, max
+abs weight difference). ``--cases`` and ``--budget-s`` bound the fuzzing; the default
+run takes about two minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import torch
+
+import dadfl.client.site as site_module
+from dadfl.client.config import SiteConfig
+from dadfl.protos import coordinator_pb2 as cpb
+from dadfl.protos import tensor_pb2 as pb
+from dadfl.protos.channel import channel_options
+from dadfl.protos.codec import decode_chunks, encode_payload
+from dadfl.server.enrol import enroll
+from dadfl.strategies import Payload
+
+FUZZER = "fuzzer"
+HONEST = ("honest-0", "honest-1")
+CHUNK_BYTES = 2048  # the fuzzer's uploads in several chunks, so there is something to reorder
+MIB = 1 << 20
+
+
+# ---------------------------------------------------------------- mutations of genuine uploads
+
+
+def flip_bits(chunks, rng):
+    for _ in range(rng.randint(1, 8)):
+        chunk = rng.choice(chunks)
+        if chunk.data:
+            data = bytearray(chunk.data)
+            i = rng.randrange(len(data))
+            data[i] ^= 1 << rng.randrange(8)
+            chunk.data = bytes(data)
+    return chunks
+
+
+def random_bytes(chunks, rng):
+    chunk = rng.choice(chunks)
+    chunk.data = rng.randbytes(len(chunk.data))
+    return chunks
+
+
+def truncate(chunks, rng):
+    cut = chunks[: rng.randint(1, len(chunks))]
+    cut[-1].data = cut[-1].data[: rng.randrange(max(len(cut[-1].data), 1))]
+    cut[-1].last = True
+    return cut
+
+
+def reorder(chunks, rng):
+    if len(chunks) > 2:
+        i, j = rng.sample(range(1, len(chunks)), 2)
+        chunks[i], chunks[j] = chunks[j], chunks[i]
+    else:
+        chunks.reverse()
+    return chunks
+
+
+def header_field(chunks, rng):
+    header = chunks[0].header
+    meta = rng.choice(header.tensors)
+    change = rng.choice(["step", "phase", "attempt", "num_samples", "loss_nan", "loss_negative", "loss_huge", "total_bytes",
+                         "shape", "dtype", "codec", "offset", "nbytes", "fingerprint"])
+    if change == "step":
+        header.step += rng.choice([-1, 1, 1 << 40])
+    elif change == "phase":
+        header.phase += rng.randint(1, 3)
+    elif change == "attempt":
+        header.attempt += 1
+    elif change == "num_samples":
+        header.num_samples = rng.choice([0, 1, header.num_samples * 7, 1 << 60])
+    elif change == "loss_nan":
+        header.loss_sum = math.nan
+    elif change == "loss_negative":
+        header.loss_sum = -abs(header.loss_sum) - 1
+    elif change == "loss_huge":
+        header.loss_sum = 1e300
+    elif change == "total_bytes":
+        header.total_bytes += rng.choice([-4, 4])
+    elif change == "shape" and meta.shape:
+        i = rng.randrange(len(meta.shape))
+        meta.shape[i] = rng.choice([0, meta.shape[i] + 1, 1 << 40])
+    elif change == "dtype":
+        meta.dtype = rng.choice([pb.FLOAT64, pb.FLOAT16, pb.INT32, 99])
+    elif change == "codec":
+        meta.codec = rng.choice([pb.FP16, pb.BF16, 7])
+    elif change == "offset":
+        meta.offset += 4
+    elif change == "nbytes":
+        meta.nbytes += rng.choice([-4, 4])
+    else:
+        header.base_fingerprint = "f" * 64
+    return chunks
+
+
+def oversize_declared(chunks, rng):
+    chunks[0].header.total_bytes = 1 << 40
+    return chunks
+
+
+def oversize_message(chunks, rng):
+    chunks[0].data = bytes(6 * MIB)
+    return chunks
+
+
+MUTATIONS = {
+    "bit_flip": flip_bits,
+    "random_bytes": random_bytes,
+    "truncate": truncate,
+    "reorder": reorder,
+    "header_field": header_field,
+    "oversize_declared": oversize_declared,
+    "oversize_message": oversize_message,
+    "scale_1e6": None,  # on the tensors, before encoding
+}
+ABUSE = ("sync_flood", "preadmission_flood", "garbage_first_message", "huge_hello")
+ON_CONNECT = ("preadmission_flood", "garbage_first_message", "huge_hello")  # cases that need a fresh stream
+
+
+def decoded_difference(genuine: Payload, chunks) -> float | None:
+    """Largest norm ratio ||mutated - genuine|| / ||genuine|| over the tensors of a mutated
+    upload that still decodes (None when it does not, 0.0 when it decodes to the genuine)."""
+    try:
+        mutated = decode_chunks(chunks).payload
+    except Exception:
+        return None
+    worst = 0.0
+    for key, tensor in genuine.tensors.items():
+        other = mutated.tensors.get(key)
+        if other is None or other.shape != tensor.shape:
+            return None
+        diff = (other.double() - tensor.double()).norm().item()
+        if diff:
+            worst = max(worst, diff / max(tensor.double().norm().item(), 1e-12))
+    return worst
+
+
+# ---------------------------------------------------------------- the fuzzing site
+
+
+class Fuzzer:
+    """Picks the cases and records what happened to each."""
+
+    def __init__(self, cases: int, budget_s: float, seed: int):
+        self.rng = random.Random(seed)
+        self.limit, self.budget_s = cases, budget_s
+        self.deadline = math.inf  # set when the fuzzing site starts
+        self.kinds = list(MUTATIONS) + list(ABUSE)
+        self.cases: list[dict] = []
+        self.current: dict | None = None
+        self.server_gone = threading.Event()
+
+    def more(self) -> bool:
+        return len(self.cases) < self.limit and time.monotonic() < self.deadline and not self.server_gone.is_set()
+
+    def start(self, mid_stream: bool = False) -> dict | None:
+        self.current = None
+        if not self.more():
+            return None
+        kinds = [k for k in self.kinds if k not in ON_CONNECT] if mid_stream else self.kinds
+        self.current = {"kind": self.rng.choice(kinds), "outcome": "pending"}
+        self.cases.append(self.current)
+        return self.current
+
+    def refused(self, code: str) -> None:
+        if self.current is not None and self.current["outcome"] == "pending":
+            self.current["outcome"] = code
+        self.current = None
+
+
+class FuzzSession(site_module.Session):
+    fuzzer: Fuzzer
+
+    def handle(self, message):
+        case = self.fuzzer.current
+        finished = super().handle(message)
+        if message.WhichOneof("kind") == "config" and case is not None and case["kind"] == "preadmission_flood":
+            chunk = pb.PayloadChunk(data=bytes(MIB))
+            for _ in range(32):
+                self.send(chunk=chunk)
+        return finished
+
+    def on_step_begin(self, begin):
+        case = self.fuzzer.current
+        if case is not None and case["kind"] == "sync_flood" and case["outcome"] == "pending":
+            for _ in range(500):
+                self.send(sync_request=cpb.SyncRequest(step=begin.step, fingerprint="0" * 64))
+        super().on_step_begin(begin)
+
+    def upload(self, payload, loss_sum=0.0):
+        case = self.fuzzer.current
+        if case is None or case["kind"] not in MUTATIONS or case.get("step") is not None:
+            return super().upload(payload, loss_sum)
+        run = self.site.run
+        genuine = payload
+        if case["kind"] == "scale_1e6":
+            payload = Payload(payload.step, payload.phase, payload.num_samples, {k: v * 1e6 for k, v in payload.tensors.items()})
+        chunks = encode_payload(payload, run.codec, CHUNK_BYTES, kind=pb.PHASE, attempt=self.step.attempt,
+                                loss_sum=loss_sum, base_fingerprint=self.step.fingerprint)
+        mutate = MUTATIONS[case["kind"]]
+        if mutate is not None:
+            chunks = mutate(chunks, self.fuzzer.rng)
+        case.update(step=self.step.step, attempt=self.step.attempt, phase=payload.phase,
+                    difference=decoded_difference(genuine, [pb.PayloadChunk.FromString(c.SerializeToString()) for c in chunks]))
+        for chunk in chunks:
+            self.send(chunk=chunk)
+
+    def on_message(self, message):
+        super().on_message(message)
+        case = self.fuzzer.current
+        if case is not None and case.get("step") is not None and self.step is None:
+            case["outcome"] = "completed step"  # the server answered: the next step carries the next case
+            self.fuzzer.start(mid_stream=True)
+
+
+def raw_case(endpoint: str, kind: str, token: str) -> str:
+    """Garbage as the first message, or a 1 MiB hello; the status the server ended with."""
+    channel = grpc.insecure_channel(endpoint, options=channel_options(4 * MIB))
+    join = channel.stream_stream("/dadfl.v1.Coordinator/Join", request_serializer=lambda raw: raw,
+                                 response_deserializer=cpb.ServerMessage.FromString)
+    message = (random.randbytes(256) if kind == "garbage_first_message"
+               else cpb.SiteMessage(hello=cpb.Hello(site_id="x" * MIB, token=token, protocol_version=1)).SerializeToString())
+    try:
+        for _ in join(iter([message]), timeout=20):
+            pass
+        return "OK"
+    except grpc.RpcError as exc:
+        return exc.code().name
+    finally:
+        channel.close()
+
+
+def run_fuzzer(fuzzer: Fuzzer, config: SiteConfig) -> None:
+    site_module.Session = FuzzSession
+    FuzzSession.fuzzer = fuzzer
+    site = site_module.Site(config)
+    fuzzer.deadline = time.monotonic() + fuzzer.budget_s
+    fuzzer.start()
+    while fuzzer.current is not None:
+        case = fuzzer.current
+        if case["kind"] in ("garbage_first_message", "huge_hello"):
+            fuzzer.refused(raw_case(config.connect.server, case["kind"], config.token))
+            fuzzer.start()
+            continue
+        channel = site_module.open_channel(config, insecure=True)
+        try:
+            if site.connect_once(channel):
+                fuzzer.refused("run finished")
+                return
+            fuzzer.refused("stream ended")
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:  # no answer from the server: not an outcome, try the case again
+                if case.get("step") is None and case["outcome"] == "pending" and not fuzzer.server_gone.is_set():
+                    time.sleep(0.2)
+                    continue
+            fuzzer.refused(exc.code().name)
+        finally:
+            channel.close()
+        fuzzer.start()
+
+
+# ---------------------------------------------------------------- the federation
+
+
+def write_configs(tmp: Path, steps: int, strategy: str) -> Path:
+    (tmp / "server.toml").write_text(f"""\
+run_dir = "{tmp / 'run'}"
+threads = 1
+[listen]
+address = "127.0.0.1:0"
+tokens = "{tmp / 'tokens.json'}"
+[workload]
+spec = "digits-mlp"
+options = {{ hidden = 64 }}
+[strategy]
+name = "{strategy}"
+[optimizer]
+name = "sgd"
+lr = 0.1
+momentum = 0.9
+[training]
+steps = {steps}
+batch_size = 16
+eval_every = {steps}
+checkpoint_every = 0
+[federation]
+min_sites = 2
+initial_sites = 2
+phase_timeout_s = 5
+quorum_timeout_s = 120
+linger_s = 2
+""")
+    return tmp / "server.toml"
+
+
+def site_toml(tmp: Path, site_id: str, endpoint: str, index: int) -> Path:
+    path = tmp / f"{site_id}.toml"
+    path.write_text(f"""\
+site_id = "{site_id}"
+token = "{enroll(tmp / 'tokens.json', site_id, replace=True)}"
+device = "cpu"
+threads = 1
+[connect]
+server = "{endpoint}"
+[data]
+source = "partition"
+site_index = {index}
+num_sites = 3
+""")
+    return path
+
+
+def peak_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def federation(tmp: Path, steps: int, strategy: str, fuzzer: Fuzzer | None) -> dict:
+    """Run the coordinator and the honest sites (and the fuzzer); what they did."""
+    config = write_configs(tmp, steps, strategy)
+    log = open(tmp / "server.log", "w")
+    server = subprocess.Popen([sys.executable, "-m", "dadfl.cli", "server", "--config", str(config), "--insecure"], stdout=log, stderr=subprocess.STDOUT)
+    while not (tmp / "run" / "endpoint").exists():
+        if server.poll() is not None:
+            raise RuntimeError(f"the coordinator did not start; see {tmp / 'server.log'}")
+        time.sleep(0.1)
+    endpoint = (tmp / "run" / "endpoint").read_text()
+    honest = [subprocess.Popen([sys.executable, "-m", "dadfl.cli", "site", "--config", str(site_toml(tmp, name, endpoint, i)), "--insecure"],
+                               stdout=subprocess.DEVNULL, stderr=open(tmp / f"{name}.log", "w")) for i, name in enumerate(HONEST)]
+    try:
+        return watch(tmp, server, honest, fuzzer, endpoint)
+    finally:
+        for process in (server, *honest):
+            if process.poll() is None:
+                process.kill()
+
+
+def watch(tmp: Path, server: subprocess.Popen, honest: list, fuzzer: Fuzzer | None, endpoint: str) -> dict:
+    peak = 0.0
+    thread = None
+    if fuzzer:
+        fuzz_config = SiteConfig.model_validate({
+            "site_id": FUZZER, "token": enroll(tmp / "tokens.json", FUZZER, replace=True), "device": "cpu", "threads": 1,
+            "connect": {"server": endpoint}, "data": {"source": "partition", "site_index": 2, "num_sites": 3},
+        })
+        thread = threading.Thread(target=run_fuzzer, args=(fuzzer, fuzz_config), daemon=True)
+        thread.start()
+    while server.poll() is None:
+        try:
+            peak = max(peak, peak_rss_mib(server.pid))
+        except (FileNotFoundError, ProcessLookupError):
+            break
+        time.sleep(0.2)
+    server.wait()
+    if fuzzer:
+        fuzzer.server_gone.set()
+    honest_rc = []
+    for process in honest:
+        try:
+            honest_rc.append(process.wait(10))
+        except subprocess.TimeoutExpired:  # sites retry a server that stopped without finishing the run
+            process.kill()
+            honest_rc.append("killed: still reconnecting 10 s after the server exited")
+    if thread:
+        thread.join(30)
+    logs = [tmp / "server.log", *(tmp / f"{name}.log" for name in HONEST)]
+    tracebacks = [path.name for path in logs if "Traceback" in path.read_text()]
+    records = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()] if (tmp / "run" / "metrics.jsonl").exists() else []
+    model = torch.load(tmp / "run" / "model.pt", weights_only=True) if (tmp / "run" / "model.pt").exists() else None
+    last = records[-1] if records else {}
+    accuracy = next((v for k, v in last.items() if k.startswith("test_") and k != "test_loss"), None)
+    return {"server_rc": server.returncode, "honest_rc": honest_rc, "tracebacks": tracebacks,
+            "run_stopped": "run stopped:" in (tmp / "server.log").read_text(), "records": records, "model": model, "accuracy": accuracy, "peak_rss_mib": peak}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", type=int, default=300)
+    parser.add_argument("--budget-s", type=float, default=90.0, help="fuzzing time budget (the clean run comes on top)")
+    parser.add_argument("--steps", type=int, default=None, help="training steps (default: 3 per case, at least 200)")
+    parser.add_argument("--strategy", default="dad")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON here too")
+    parser.add_argument("--no-clean", dest="clean", action="store_false", help="skip the clean run (smoke tests)")
+    parser.add_argument("--keep", type=Path, default=None, help="keep the runs' folders (logs, metrics, models) here")
+    args = parser.parse_args()
+    steps = args.steps or max(200, 3 * args.cases)
+    torch.manual_seed(args.seed)
+    fuzzer = Fuzzer(args.cases, args.budget_s, args.seed)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory() as folder:
+        root = args.keep or Path(folder)
+        (root / "fuzzed").mkdir(parents=True, exist_ok=True)
+        (root / "clean").mkdir(parents=True, exist_ok=True)
+        fuzzed = federation(root / "fuzzed", steps, args.strategy, fuzzer)
+        fuzz_seconds = time.monotonic() - started
+        clean = federation(root / "clean", steps, args.strategy, None) if args.clean else {"model": None, "accuracy": None}
+    committed = {(r["step"], r["attempt"]): r["site_ids"] for r in fuzzed["records"]}
+    cases = [c for c in fuzzer.cases if c["outcome"] != "pending" or c.get("step") is not None]
+    accepted = [c for c in cases if c["outcome"] == "completed step" and FUZZER in committed.get((c["step"], c["attempt"]), ())]
+    # a changed header that decodes to the genuine tensors is a lie (loss, sample count) when accepted
+    accepted_mutated = [c for c in accepted if c["kind"] in MUTATIONS and (c.get("difference") != 0.0 or c["kind"] == "header_field")]
+    outcomes = collections.Counter(("accepted" if c in accepted else c["outcome"]) for c in cases)
+    by_kind = collections.defaultdict(collections.Counter)
+    for c in cases:
+        by_kind[c["kind"]]["accepted" if c in accepted else c["outcome"]] += 1
+    diff = None
+    if fuzzed["model"] is not None and clean["model"] is not None:
+        diff = max((fuzzed["model"][k].double() - clean["model"][k].double()).abs().max().item() for k in clean["model"])
+    # a crash: a process that died unexpectedly or logged a traceback; an orderly "run stopped" is reported apart
+    crashes = int(fuzzed["server_rc"] not in (0, 1)) + sum(rc not in (0, 1) and not str(rc).startswith("killed") for rc in fuzzed["honest_rc"])
+    crashes += len(fuzzed["tracebacks"])
+    figures = {
+        "cases": len(cases),
+        "strategy": args.strategy,
+        "steps": steps,
+        "outcomes": dict(outcomes),
+        "by_kind": {k: dict(v) for k, v in sorted(by_kind.items())},
+        "crashes": crashes,
+        "run_completed": len(fuzzed["records"]) == steps,
+        "run_stopped": fuzzed["run_stopped"],
+        "server_rc": fuzzed["server_rc"],
+        "honest_rc": fuzzed["honest_rc"],
+        "tracebacks_in": fuzzed["tracebacks"],
+        "accepted_mutated": len(accepted_mutated),
+        "accepted_mutated_kinds": dict(collections.Counter(c["kind"] for c in accepted_mutated)),
+        "largest_accepted_norm_ratio": max((c["difference"] or 0.0 for c in accepted_mutated), default=0.0),
+        "peak_coordinator_rss_mib": round(fuzzed["peak_rss_mib"], 1),
+        "steps_done": len(fuzzed["records"]),
+        "accuracy_fuzzed": fuzzed["accuracy"],
+        "accuracy_clean": clean["accuracy"],
+        "max_abs_weight_diff_vs_clean": diff,
+        "fuzz_seconds": round(fuzz_seconds, 1),
+        "total_seconds": round(time.monotonic() - started, 1),
+    }
+    text = json.dumps(figures, indent=1)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
