@@ -15,12 +15,13 @@ with the real site code, except that each of its steps carries one fuzz case:
   garbage bytes as the first message, a 1 MiB hello.
 
 Every refused case ends the fuzzing site's stream; it reconnects at once and the next
-case runs. Reported: cases run and by outcome (refused with which status, accepted),
+case runs. An accepted case that stops the run (the coordinator gives up) is counted in
+``runs_stopped`` and a fresh federation takes the remaining cases. Reported: cases run and by outcome (refused with which status, accepted),
 crashes (the coordinator or an honest site not exiting 0), accepted uploads whose decoded
 tensors differ from the genuine ones (``accepted_mutated``: what a bounded-influence rule
 must catch; their largest norm ratio to the genuine upload), peak coordinator RSS, and
-the final model against a clean run of the two honest sites alone (test accuracy, max
-abs weight difference). ``--cases`` and ``--budget-s`` bound the fuzzing; the default
+the last run's final model against a clean run of the two honest sites alone (test
+accuracy, max abs weight difference). ``--cases`` and ``--budget-s`` bound the fuzzing; the default
 run takes about two minutes.
 """
 
@@ -270,7 +271,9 @@ def run_fuzzer(fuzzer: Fuzzer, config: SiteConfig) -> None:
     site_module.Session = FuzzSession
     FuzzSession.fuzzer = fuzzer
     site = site_module.Site(config)
-    fuzzer.deadline = time.monotonic() + fuzzer.budget_s
+    if fuzzer.deadline == math.inf:
+        fuzzer.deadline = time.monotonic() + fuzzer.budget_s
+    fuzzer.server_gone.clear()
     fuzzer.start()
     while fuzzer.current is not None:
         case = fuzzer.current
@@ -366,14 +369,14 @@ def federation(tmp: Path, steps: int, strategy: str, fuzzer: Fuzzer | None) -> d
     honest = [subprocess.Popen([sys.executable, "-m", "dadfl.cli", "site", "--config", str(site_toml(tmp, name, endpoint, i)), "--insecure"],
                                stdout=subprocess.DEVNULL, stderr=open(tmp / f"{name}.log", "w")) for i, name in enumerate(HONEST)]
     try:
-        return watch(tmp, server, honest, fuzzer, endpoint)
+        return watch(tmp, server, honest, fuzzer, endpoint, steps)
     finally:
         for process in (server, *honest):
             if process.poll() is None:
                 process.kill()
 
 
-def watch(tmp: Path, server: subprocess.Popen, honest: list, fuzzer: Fuzzer | None, endpoint: str) -> dict:
+def watch(tmp: Path, server: subprocess.Popen, honest: list, fuzzer: Fuzzer | None, endpoint: str, steps: int) -> dict:
     peak = 0.0
     thread = None
     if fuzzer:
@@ -407,7 +410,7 @@ def watch(tmp: Path, server: subprocess.Popen, honest: list, fuzzer: Fuzzer | No
     model = torch.load(tmp / "run" / "model.pt", weights_only=True) if (tmp / "run" / "model.pt").exists() else None
     last = records[-1] if records else {}
     accuracy = next((v for k, v in last.items() if k.startswith("test_") and k != "test_loss"), None)
-    return {"server_rc": server.returncode, "honest_rc": honest_rc, "tracebacks": tracebacks,
+    return {"server_rc": server.returncode, "honest_rc": honest_rc, "tracebacks": tracebacks, "completed": len(records) == steps,
             "run_stopped": "run stopped:" in (tmp / "server.log").read_text(), "records": records, "model": model, "accuracy": accuracy, "peak_rss_mib": peak}
 
 
@@ -426,16 +429,25 @@ def main() -> None:
     torch.manual_seed(args.seed)
     fuzzer = Fuzzer(args.cases, args.budget_s, args.seed)
     started = time.monotonic()
+    runs = []
     with tempfile.TemporaryDirectory() as folder:
         root = args.keep or Path(folder)
-        (root / "fuzzed").mkdir(parents=True, exist_ok=True)
-        (root / "clean").mkdir(parents=True, exist_ok=True)
-        fuzzed = federation(root / "fuzzed", steps, args.strategy, fuzzer)
+        while not runs or (not runs[-1]["completed"] and fuzzer.more()):  # a run the fuzzer stopped: start a new one
+            tmp = root / f"fuzzed-{len(runs)}"
+            tmp.mkdir(parents=True, exist_ok=True)
+            first_case = len(fuzzer.cases)
+            runs.append(federation(tmp, steps, args.strategy, fuzzer))
+            runs[-1]["cases"] = fuzzer.cases[first_case:]
         fuzz_seconds = time.monotonic() - started
+        fuzzed = runs[-1]
+        (root / "clean").mkdir(parents=True, exist_ok=True)
         clean = federation(root / "clean", steps, args.strategy, None) if args.clean else {"model": None, "accuracy": None}
-    committed = {(r["step"], r["attempt"]): r["site_ids"] for r in fuzzed["records"]}
-    cases = [c for c in fuzzer.cases if c["outcome"] != "pending" or c.get("step") is not None]
-    accepted = [c for c in cases if c["outcome"] == "completed step" and FUZZER in committed.get((c["step"], c["attempt"]), ())]
+    cases, accepted = [], []
+    for run in runs:
+        committed = {(r["step"], r["attempt"]): r["site_ids"] for r in run["records"]}
+        done = [c for c in run["cases"] if c["outcome"] != "pending" or c.get("step") is not None]
+        cases += done
+        accepted += [c for c in done if c["outcome"] == "completed step" and FUZZER in committed.get((c["step"], c["attempt"]), ())]
     # a changed header that decodes to the genuine tensors is a lie (loss, sample count) when accepted
     accepted_mutated = [c for c in accepted if c["kind"] in MUTATIONS and (c.get("difference") != 0.0 or c["kind"] == "header_field")]
     outcomes = collections.Counter(("accepted" if c in accepted else c["outcome"]) for c in cases)
@@ -446,8 +458,8 @@ def main() -> None:
     if fuzzed["model"] is not None and clean["model"] is not None:
         diff = max((fuzzed["model"][k].double() - clean["model"][k].double()).abs().max().item() for k in clean["model"])
     # a crash: a process that died unexpectedly or logged a traceback; an orderly "run stopped" is reported apart
-    crashes = int(fuzzed["server_rc"] not in (0, 1)) + sum(rc not in (0, 1) and not str(rc).startswith("killed") for rc in fuzzed["honest_rc"])
-    crashes += len(fuzzed["tracebacks"])
+    crashes = sum(int(run["server_rc"] not in (0, 1)) + len(run["tracebacks"]) for run in runs)
+    crashes += sum(rc not in (0, 1) and not str(rc).startswith("killed") for run in runs for rc in run["honest_rc"])
     figures = {
         "cases": len(cases),
         "strategy": args.strategy,
@@ -455,16 +467,17 @@ def main() -> None:
         "outcomes": dict(outcomes),
         "by_kind": {k: dict(v) for k, v in sorted(by_kind.items())},
         "crashes": crashes,
-        "run_completed": len(fuzzed["records"]) == steps,
-        "run_stopped": fuzzed["run_stopped"],
-        "server_rc": fuzzed["server_rc"],
-        "honest_rc": fuzzed["honest_rc"],
-        "tracebacks_in": fuzzed["tracebacks"],
+        "runs": len(runs),
+        "runs_stopped": sum(run["run_stopped"] for run in runs),
+        "last_run_completed": fuzzed["completed"],
+        "server_rc": [run["server_rc"] for run in runs],
+        "honest_rc": [run["honest_rc"] for run in runs],
+        "tracebacks_in": sorted({name for run in runs for name in run["tracebacks"]}),
         "accepted_mutated": len(accepted_mutated),
         "accepted_mutated_kinds": dict(collections.Counter(c["kind"] for c in accepted_mutated)),
         "largest_accepted_norm_ratio": max((c["difference"] or 0.0 for c in accepted_mutated), default=0.0),
-        "peak_coordinator_rss_mib": round(fuzzed["peak_rss_mib"], 1),
-        "steps_done": len(fuzzed["records"]),
+        "peak_coordinator_rss_mib": round(max(run["peak_rss_mib"] for run in runs), 1),
+        "steps_done": [len(run["records"]) for run in runs],
         "accuracy_fuzzed": fuzzed["accuracy"],
         "accuracy_clean": clean["accuracy"],
         "max_abs_weight_diff_vs_clean": diff,

@@ -11,13 +11,13 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_fuzz_benchmark_reports_its_figures(tmp_path):
     out = tmp_path / "fuzz.json"
     result = subprocess.run(
-        [sys.executable, "-m", "bench.bench_fuzz", "--cases", "4", "--budget-s", "5", "--steps", "20", "--no-clean", "--out", str(out)],
+        [sys.executable, "-m", "bench.bench_fuzz", "--cases", "3", "--budget-s", "3", "--steps", "10", "--no-clean", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     figures = json.loads(out.read_text())
-    assert 1 <= figures["cases"] <= 4 and sum(figures["outcomes"].values()) == figures["cases"]
+    assert 1 <= figures["cases"] <= 3 and sum(figures["outcomes"].values()) == figures["cases"]
     assert figures["crashes"] == 0 and figures["tracebacks_in"] == []
-    assert figures["peak_coordinator_rss_mib"] > 0 and figures["steps_done"] >= 1
+    assert figures["peak_coordinator_rss_mib"] > 0 and figures["steps_done"][0] >= 1
     for key in ("accepted_mutated", "largest_accepted_norm_ratio", "accuracy_fuzzed", "max_abs_weight_diff_vs_clean", "by_kind"):
         assert key in figures
