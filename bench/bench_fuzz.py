@@ -17,9 +17,12 @@ with the real site code, except that each of its steps carries one fuzz case:
 Every refused case ends the fuzzing site's stream; it reconnects at once and the next
 case runs. An accepted case that stops the run (the coordinator gives up) is counted in
 ``runs_stopped`` and a fresh federation takes the remaining cases. Reported: cases run and by outcome (refused with which status, accepted),
-crashes (the coordinator or an honest site not exiting 0), accepted uploads whose decoded
-tensors differ from the genuine ones (``accepted_mutated``: what a bounded-influence rule
-must catch; their largest norm ratio to the genuine upload), peak coordinator RSS, and
+crashes (a process that died unexpectedly or logged a traceback), accepted uploads whose
+decoded tensors differ from the genuine ones (``accepted_mutated``), those among them
+whose difference exceeds the coordinator's influence bound (``accepted_beyond_influence_bound``:
+||mutated - genuine|| > 10 × ||genuine|| over the upload's tensors, a proxy for the
+contribution norm the coordinator bounds; header lies that decode unchanged count when
+accepted), peak coordinator RSS, and
 the last run's final model against a clean run of the two honest sites alone (test
 accuracy, max abs weight difference). ``--cases`` and ``--budget-s`` bound the fuzzing; the default
 run takes about two minutes.
@@ -55,6 +58,7 @@ FUZZER = "fuzzer"
 HONEST = ("honest-0", "honest-1")
 CHUNK_BYTES = 2048  # the fuzzer's uploads in several chunks, so there is something to reorder
 MIB = 1 << 20
+INFLUENCE_RATIO = 10.0  # the coordinator's default federation.max_influence_ratio
 
 
 # ---------------------------------------------------------------- mutations of genuine uploads
@@ -155,21 +159,23 @@ ON_CONNECT = ("preadmission_flood", "garbage_first_message", "huge_hello")  # ca
 
 
 def decoded_difference(genuine: Payload, chunks) -> float | None:
-    """Largest norm ratio ||mutated - genuine|| / ||genuine|| over the tensors of a mutated
-    upload that still decodes (None when it does not, 0.0 when it decodes to the genuine)."""
+    """||mutated - genuine|| / ||genuine|| over all tensors of a mutated upload that still
+    decodes to the same keys and shapes (None when it does not, 0.0 when it decodes to the
+    genuine one, inf when a value is not finite)."""
     try:
         mutated = decode_chunks(chunks).payload
     except Exception:
         return None
-    worst = 0.0
+    diff_sq = norm_sq = 0.0
     for key, tensor in genuine.tensors.items():
         other = mutated.tensors.get(key)
         if other is None or other.shape != tensor.shape:
             return None
-        diff = (other.double() - tensor.double()).norm().item()
-        if diff:
-            worst = max(worst, diff / max(tensor.double().norm().item(), 1e-12))
-    return worst
+        diff_sq += (other.double() - tensor.double()).square().sum().item()
+        norm_sq += tensor.double().square().sum().item()
+    if not math.isfinite(diff_sq):
+        return math.inf
+    return math.sqrt(diff_sq / max(norm_sq, 1e-24))
 
 
 # ---------------------------------------------------------------- the fuzzing site
@@ -187,8 +193,11 @@ class Fuzzer:
         self.current: dict | None = None
         self.server_gone = threading.Event()
 
+    def budget_left(self) -> bool:
+        return len(self.cases) < self.limit and time.monotonic() < self.deadline
+
     def more(self) -> bool:
-        return len(self.cases) < self.limit and time.monotonic() < self.deadline and not self.server_gone.is_set()
+        return self.budget_left() and not self.server_gone.is_set()
 
     def start(self, mid_stream: bool = False) -> dict | None:
         self.current = None
@@ -328,6 +337,7 @@ initial_sites = 2
 phase_timeout_s = 5
 quorum_timeout_s = 120
 linger_s = 2
+quarantine_after = 1000000  # keep fuzzing: every case is one refusal
 """)
     return tmp / "server.toml"
 
@@ -432,7 +442,7 @@ def main() -> None:
     runs = []
     with tempfile.TemporaryDirectory() as folder:
         root = args.keep or Path(folder)
-        while not runs or (not runs[-1]["completed"] and fuzzer.more()):  # a run the fuzzer stopped: start a new one
+        while not runs or (not runs[-1]["completed"] and fuzzer.budget_left()):  # a run the fuzzer stopped: start a new one
             tmp = root / f"fuzzed-{len(runs)}"
             tmp.mkdir(parents=True, exist_ok=True)
             first_case = len(fuzzer.cases)
@@ -450,6 +460,7 @@ def main() -> None:
         accepted += [c for c in done if c["outcome"] == "completed step" and FUZZER in committed.get((c["step"], c["attempt"]), ())]
     # a changed header that decodes to the genuine tensors is a lie (loss, sample count) when accepted
     accepted_mutated = [c for c in accepted if c["kind"] in MUTATIONS and (c.get("difference") != 0.0 or c["kind"] == "header_field")]
+    beyond_bound = [c for c in accepted_mutated if c.get("difference") is None or c["difference"] > INFLUENCE_RATIO]
     outcomes = collections.Counter(("accepted" if c in accepted else c["outcome"]) for c in cases)
     by_kind = collections.defaultdict(collections.Counter)
     for c in cases:
@@ -475,6 +486,7 @@ def main() -> None:
         "tracebacks_in": sorted({name for run in runs for name in run["tracebacks"]}),
         "accepted_mutated": len(accepted_mutated),
         "accepted_mutated_kinds": dict(collections.Counter(c["kind"] for c in accepted_mutated)),
+        "accepted_beyond_influence_bound": len(beyond_bound),
         "largest_accepted_norm_ratio": max((c["difference"] or 0.0 for c in accepted_mutated), default=0.0),
         "peak_coordinator_rss_mib": round(max(run["peak_rss_mib"] for run in runs), 1),
         "steps_done": [len(run["records"]) for run in runs],
