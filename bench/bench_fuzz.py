@@ -59,6 +59,7 @@ HONEST = ("honest-0", "honest-1")
 CHUNK_BYTES = 2048  # the fuzzer's uploads in several chunks, so there is something to reorder
 MIB = 1 << 20
 INFLUENCE_RATIO = 10.0  # the coordinator's default federation.max_influence_ratio
+STALL_S = 30.0  # no committed step for this long: the run is stopped and counted as stalled
 
 
 # ---------------------------------------------------------------- mutations of genuine uploads
@@ -310,7 +311,7 @@ def run_fuzzer(fuzzer: Fuzzer, config: SiteConfig) -> None:
 # ---------------------------------------------------------------- the federation
 
 
-def write_configs(tmp: Path, steps: int, strategy: str) -> Path:
+def write_configs(tmp: Path, steps: int, strategy: str, max_update_norm: float | None) -> Path:
     (tmp / "server.toml").write_text(f"""\
 run_dir = "{tmp / 'run'}"
 threads = 1
@@ -338,6 +339,7 @@ phase_timeout_s = 5
 quorum_timeout_s = 120
 linger_s = 2
 quarantine_after = 1000000  # keep fuzzing: every case is one refusal
+{f"max_update_norm = {max_update_norm}" if max_update_norm else ""}
 """)
     return tmp / "server.toml"
 
@@ -366,9 +368,9 @@ def peak_rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def federation(tmp: Path, steps: int, strategy: str, fuzzer: Fuzzer | None) -> dict:
+def federation(tmp: Path, steps: int, strategy: str, fuzzer: Fuzzer | None, max_update_norm: float | None = None) -> dict:
     """Run the coordinator and the honest sites (and the fuzzer); what they did."""
-    config = write_configs(tmp, steps, strategy)
+    config = write_configs(tmp, steps, strategy, max_update_norm)
     log = open(tmp / "server.log", "w")
     server = subprocess.Popen([sys.executable, "-m", "dadfl.cli", "server", "--config", str(config), "--insecure"], stdout=log, stderr=subprocess.STDOUT)
     while not (tmp / "run" / "endpoint").exists():
@@ -396,11 +398,18 @@ def watch(tmp: Path, server: subprocess.Popen, honest: list, fuzzer: Fuzzer | No
         })
         thread = threading.Thread(target=run_fuzzer, args=(fuzzer, fuzz_config), daemon=True)
         thread.start()
+    metrics_file, progress, stalled = tmp / "run" / "metrics.jsonl", (-1, time.monotonic()), False
     while server.poll() is None:
         try:
             peak = max(peak, peak_rss_mib(server.pid))
         except (FileNotFoundError, ProcessLookupError):
             break
+        size = metrics_file.stat().st_size if metrics_file.exists() else 0
+        if size != progress[0]:
+            progress = (size, time.monotonic())
+        elif time.monotonic() - progress[1] > STALL_S:  # e.g. a poisoned model every site now refuses to train on
+            stalled = True
+            server.kill()
         time.sleep(0.2)
     server.wait()
     if fuzzer:
@@ -421,7 +430,7 @@ def watch(tmp: Path, server: subprocess.Popen, honest: list, fuzzer: Fuzzer | No
     last = records[-1] if records else {}
     accuracy = next((v for k, v in last.items() if k.startswith("test_") and k != "test_loss"), None)
     return {"server_rc": server.returncode, "honest_rc": honest_rc, "tracebacks": tracebacks, "completed": len(records) == steps,
-            "run_stopped": "run stopped:" in (tmp / "server.log").read_text(), "records": records, "model": model, "accuracy": accuracy, "peak_rss_mib": peak}
+            "run_stopped": stalled or "run stopped:" in (tmp / "server.log").read_text(), "stalled": stalled, "records": records, "model": model, "accuracy": accuracy, "peak_rss_mib": peak}
 
 
 def main() -> None:
@@ -430,6 +439,8 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=90.0, help="fuzzing time budget (the clean run comes on top)")
     parser.add_argument("--steps", type=int, default=None, help="training steps (default: 3 per case, at least 200)")
     parser.add_argument("--strategy", default="dad")
+    parser.add_argument("--max-update-norm", type=float, default=None,
+                        help="the coordinator's federation.max_update_norm: the only size bound when 2 sites take part")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON here too")
     parser.add_argument("--no-clean", dest="clean", action="store_false", help="skip the clean run (smoke tests)")
@@ -446,12 +457,12 @@ def main() -> None:
             tmp = root / f"fuzzed-{len(runs)}"
             tmp.mkdir(parents=True, exist_ok=True)
             first_case = len(fuzzer.cases)
-            runs.append(federation(tmp, steps, args.strategy, fuzzer))
+            runs.append(federation(tmp, steps, args.strategy, fuzzer, args.max_update_norm))
             runs[-1]["cases"] = fuzzer.cases[first_case:]
         fuzz_seconds = time.monotonic() - started
         fuzzed = runs[-1]
         (root / "clean").mkdir(parents=True, exist_ok=True)
-        clean = federation(root / "clean", steps, args.strategy, None) if args.clean else {"model": None, "accuracy": None}
+        clean = federation(root / "clean", steps, args.strategy, None, args.max_update_norm) if args.clean else {"model": None, "accuracy": None}
     cases, accepted = [], []
     for run in runs:
         committed = {(r["step"], r["attempt"]): r["site_ids"] for r in run["records"]}
@@ -469,17 +480,19 @@ def main() -> None:
     if fuzzed["model"] is not None and clean["model"] is not None:
         diff = max((fuzzed["model"][k].double() - clean["model"][k].double()).abs().max().item() for k in clean["model"])
     # a crash: a process that died unexpectedly or logged a traceback; an orderly "run stopped" is reported apart
-    crashes = sum(int(run["server_rc"] not in (0, 1)) + len(run["tracebacks"]) for run in runs)
+    crashes = sum(int(run["server_rc"] not in (0, 1) and not run["stalled"]) + len(run["tracebacks"]) for run in runs)
     crashes += sum(rc not in (0, 1) and not str(rc).startswith("killed") for run in runs for rc in run["honest_rc"])
     figures = {
         "cases": len(cases),
         "strategy": args.strategy,
+        "max_update_norm": args.max_update_norm,
         "steps": steps,
         "outcomes": dict(outcomes),
         "by_kind": {k: dict(v) for k, v in sorted(by_kind.items())},
         "crashes": crashes,
         "runs": len(runs),
         "runs_stopped": sum(run["run_stopped"] for run in runs),
+        "runs_stalled": sum(run["stalled"] for run in runs),
         "last_run_completed": fuzzed["completed"],
         "server_rc": [run["server_rc"] for run in runs],
         "honest_rc": [run["honest_rc"] for run in runs],
