@@ -119,7 +119,8 @@ def test_connected_site_is_dropped_at_its_next_upload_once_revoked(tmp_path):
     revoke(tmp_path / "tokens.json", "revoked")
     with pytest.raises(SiteRefused, match="'revoked' was revoked on the server"):
         revoked.join(60)
-    assert stays.join(120).steps == 400
+    summary = stays.join(120)
     server.join()
     records = list(read_metrics(tmp_path / "run" / "metrics.jsonl"))
     assert records[-1]["site_ids"] == ["stays"] and len(records) == 400
+    assert summary.finished and summary.fingerprint == records[-1]["fingerprint"]
