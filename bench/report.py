@@ -158,21 +158,22 @@ def target_a_rows(results: dict, settings: list[dict]) -> tuple[list[list[str]],
             human_bytes(best["bytes_to_target"]) if best else "–", ratio(value),
             ratio(bound), f"{cost['bound_rank_zero']:.0f}×", "**met**" if ok else "not met",
             f"{power['label']}: {ratio(power['bytes_ratio_vs_dsgd'])}" if power else "none reached the target",
-            "**yes**" if beats else "no",
+            "**yes**" if beats else "no" if best or power else "neither reached",
         ])
     return rows, met
 
 
-def versus_powersgd(results: dict, settings: list[dict]) -> dict[str, bool]:
+def versus_powersgd(results: dict, settings: list[dict]) -> dict[str, bool | None]:
     """Per setting: does the best rank-dAD reach dSGD's target with at least the best
-    PowerSGD's bytes ratio (PowerSGD not reaching it counts for rank-dAD if it does)?"""
-    verdicts = {}
+    PowerSGD's bytes ratio (PowerSGD not reaching it counts for rank-dAD if it does)?
+    None when neither reaches it."""
+    verdicts: dict[str, bool | None] = {}
     for setting in settings:
         group = headline_group(results, setting["key"])
         if group is None or group["target"] is None:
             continue
         best, power = best_of(group, "rankdad"), best_of(group, "powersgd")
-        verdicts[setting["key"]] = best is not None and (
+        verdicts[setting["key"]] = None if best is None and power is None else best is not None and (
             power is None or best["bytes_ratio_vs_dsgd"] >= power["bytes_ratio_vs_dsgd"]
         )
     return verdicts
@@ -272,9 +273,10 @@ def summary_lines(results: dict, settings: list[dict], links: dict | None, peers
     versus = versus_powersgd(results, settings)
     lines = ["## Summary", ""]
     if versus:
-        lines.append(f"- rank-dAD's bytes to dSGD's target at least as few as the best PowerSGD's on {sum(versus.values())} of"
-                     f" {len(versus)} workloads: " + "; ".join(f"{k}: {'**yes**' if v else 'no'}" for k, v in versus.items())
-                     + ".")
+        verdict = {True: "**yes**", False: "no", None: "neither reaches dSGD's target"}
+        lines.append(f"- rank-dAD's bytes to dSGD's target at least as few as the best PowerSGD's on"
+                     f" {sum(v is True for v in versus.values())} of {len(versus)} workloads: "
+                     + "; ".join(f"{k}: {verdict[v]}" for k, v in versus.items()) + ".")
     for key, ok in met_a.items():
         group = headline_group(results, key)
         best = best_of(group, "rankdad")
