@@ -339,11 +339,15 @@ class RankDADServer:
             # dense, with the server memory added (which empties it).
             shape = (target.groups, target.m, target.k)
             grad_key = tensor_key(target.weight, GRAD_ROLE)
-            weights = [
-                torch.bmm(f[0], f[1].transpose(1, 2)) if f is not None else p.tensors[grad_key].reshape(shape)
-                for f, p in zip(factors, payloads)
-                if f is not None or grad_key in p.tensors
-            ]
+            weights = []
+            for f, p in zip(factors, payloads):
+                if f is not None:
+                    weights.append(torch.bmm(f[0], f[1].transpose(1, 2)))
+                elif grad_key in p.tensors:
+                    weights.append(p.tensors[grad_key].reshape(shape))
+                elif any(tensor_key(target.key, role) in p.tensors for role in ("P", "Q")):
+                    raise ValueError(f"{target.key}: P and Q must come together")
+                # else: this site's batch gave it no gradient
             state.errors.pop(target.key, None)
             if not weights and memory is None:
                 return {}  # no site's batch reached it: no gradient, no update
