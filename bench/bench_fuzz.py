@@ -371,6 +371,8 @@ def peak_rss_mib(pid: int) -> float:
 def federation(tmp: Path, steps: int, strategy: str, fuzzer: Fuzzer | None, max_update_norm: float | None = None) -> dict:
     """Run the coordinator and the honest sites (and the fuzzer); what they did."""
     config = write_configs(tmp, steps, strategy, max_update_norm)
+    for name in HONEST:  # the coordinator refuses to start without a tokens file
+        enroll(tmp / "tokens.json", name, replace=True)
     log = open(tmp / "server.log", "w")
     server = subprocess.Popen([sys.executable, "-m", "dadfl.cli", "server", "--config", str(config), "--insecure"], stdout=log, stderr=subprocess.STDOUT)
     while not (tmp / "run" / "endpoint").exists():

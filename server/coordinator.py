@@ -275,6 +275,11 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         if not re.match(SITE_ID_PATTERN, hello.site_id):  # checked before the id reaches a log line or a message
             log.warning("refused a hello from %s: site id %s is not a valid site id", context.peer(), printable(hello.site_id))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the site id must be {SITE_ID_RULE}")
+        if first.ByteSize() > MAX_HANDSHAKE_MESSAGE_BYTES:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"hello message of {first.ByteSize()} bytes; at most {MAX_HANDSHAKE_MESSAGE_BYTES} (a token `dadfl enroll` issues has 43 characters)",
+            )
         try:
             verify(Path(self.config.listen.tokens), hello.site_id, hello.token)
             check_client_certificate(context, Path(self.config.listen.tokens), hello.site_id, self.config.listen.require_client_cert)
@@ -341,10 +346,10 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             if site_id and message is grpc.aio.EOF:
                 log.warning("site %s closed its stream instead of sending %s (it refused the run config or its data: see its log)", site_id, expected)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"expected a {expected} message, got {got}")
-        if message.ByteSize() > MAX_HANDSHAKE_MESSAGE_BYTES:
+        if expected != "hello" and message.ByteSize() > MAX_HANDSHAKE_MESSAGE_BYTES:  # a hello: after its site id check
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"{expected} message of {message.ByteSize()} bytes; at most {MAX_HANDSHAKE_MESSAGE_BYTES} (site ids are at most 64 characters)",
+                f"{expected} message of {message.ByteSize()} bytes; at most {MAX_HANDSHAKE_MESSAGE_BYTES}",
             )
         return message
 
