@@ -62,6 +62,8 @@ def test_tabular_walkthrough_runs_as_written(tmp_path):
     assert result.returncode == 0, result.stdout[-4000:]
 
     run = tmp_path / "runs" / "hospitals"
+    for site in SITES:  # each hospital allows the federation's own workload, nothing is imported otherwise
+        assert '"hospital_models.tabular:mlp"' in (tmp_path / f"{site}.toml").read_text()
     assert "(TLS)" in result.stdout  # the coordinator served TLS
     records = list(read_metrics(run / "metrics.jsonl"))
     assert [r["step"] for r in records] == list(range(60))
