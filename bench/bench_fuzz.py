@@ -58,7 +58,7 @@ FUZZER = "fuzzer"
 HONEST = ("honest-0", "honest-1")
 CHUNK_BYTES = 2048  # the fuzzer's uploads in several chunks, so there is something to reorder
 MIB = 1 << 20
-INFLUENCE_RATIO = 10.0  # the coordinator's default federation.max_influence_ratio
+INFLUENCE_RATIO = 100.0  # the coordinator's default federation.max_influence_ratio
 STALL_S = 30.0  # no committed step for this long: the run is stopped and counted as stalled
 
 

@@ -80,8 +80,8 @@ class FederationConfig(StrictModel):
     quorum_timeout_s: float = Field(600.0, gt=0, description="how long the server waits for a quorum before giving up")
     linger_s: float = Field(10.0, ge=0, description="after the last step, how long to wait for disconnected sites to learn the run finished")
     max_influence_ratio: float = Field(
-        10.0, gt=1, description="with 3 or more sites in a step, a site whose update norm exceeds this multiple of the "
-        "median of the other sites' is dropped from the step"
+        100.0, gt=1, description="with 3 or more sites in a step, a site whose update norm exceeds this multiple of the "
+        "median of the other sites' is dropped from the step (honest sites differ by 10x and more late in training)"
     )
     max_update_norm: float | None = Field(
         None, gt=0, description="optional absolute bound on a site's update norm (mean units); the only size bound "
