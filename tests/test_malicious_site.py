@@ -113,8 +113,9 @@ ATTACKS = {
 UNDETECTABLE = {"sign flip"}
 ROWS_TRAVEL = {"dad", "edad"}  # auto sends this small model's layers as (smaller) dense gradients
 # A dense gradient left out means "no gradient at this site" (a parameter its batch did not
-# reach): it adds nothing, as zeros would, so it is allowed where only gradients travel.
-ONLY_GRADIENTS = {"dsgd", "auto"}
+# reach): it adds nothing, as zeros would, so it is allowed where only gradients travel
+# (auto on this small model; PowerSGD's dense warm-up steps).
+ONLY_GRADIENTS = {"dsgd", "auto", "powersgd"}
 
 
 @dataclass
