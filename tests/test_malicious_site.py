@@ -232,8 +232,14 @@ def attacked_run(tmp_path, monkeypatch, spec: StrategySpec, processes: bool) -> 
     records = list(read_metrics(tmp_path / "run" / "metrics.jsonl"))
     assert [r["step"] for r in records] == list(range(STEPS))
     assert all(math.isfinite(r["train_loss"]) for r in records)
-    # Every attack is refused in the phase it is sent, so no step restarts: the honest sites go on.
-    assert all(r["attempt"] == 0 for r in records), [r["step"] for r in records if r["attempt"]]
+    # Every attack is refused in the phase it is sent, so no step restarts: the honest sites go
+    # on. PowerSGD is the exception: an upload refused in its second phase was already counted
+    # in the first, so that step restarts once without the attacker.
+    restarted = [r["step"] for r in records if r["attempt"]]
+    if spec.name == "powersgd":
+        assert all(r["attempt"] <= 1 for r in records) and len(restarted) <= len(ATTACKS), restarted
+    else:
+        assert not restarted, restarted
 
     must_refuse = set(ATTACKS) - UNDETECTABLE - (set() if spec.name in ROWS_TRAVEL else {"wrong row count"})
     must_refuse -= {"missing key"} if spec.name in ONLY_GRADIENTS else set()

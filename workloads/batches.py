@@ -105,8 +105,14 @@ class StepBatches:
         """The ``(inputs, targets)`` batch of ``step``."""
         if self._loader is None or step != self._next_step:
             sampler = StepBatchSampler(len(self.dataset), self.batch_size, self.seed, start=step)
+            # Workers start by spawn: a site forks after gRPC's threads exist, and a forked
+            # child of a process with gRPC threads can hang.
+            context = "spawn" if self.num_workers else None
             self._loader = iter(
-                DataLoader(self.dataset, batch_sampler=sampler, num_workers=self.num_workers, pin_memory=self.pin_memory)
+                DataLoader(
+                    self.dataset, batch_sampler=sampler, num_workers=self.num_workers, pin_memory=self.pin_memory,
+                    multiprocessing_context=context,
+                )
             )
         self._next_step = step + 1
         return next(self._loader)
