@@ -116,20 +116,25 @@ def hook_results(tmp_path_factory):
     ]
     torch.save({"runs": runs}, folder / "inputs.pt")
     (folder / "worker.py").write_text(HOOK_WORKER)
-    port = str(free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(folder / "worker.py"), str(rank), port, str(folder)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for rank in range(2)
-    ]
-    try:
-        outputs = [p.communicate(timeout=180)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    # The free port can be taken by another process before gloo binds it (gloo then aborts):
+    # a new port, at most three times.
+    for _ in range(3):
+        port = str(free_port())
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(folder / "worker.py"), str(rank), port, str(folder)],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            )
+            for rank in range(2)
+        ]
+        try:
+            outputs = [p.communicate(timeout=180)[0] for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        if all(p.returncode == 0 for p in procs):
+            break
     for p, out in zip(procs, outputs):
         assert p.returncode == 0, f"hook worker failed:\n{out}"
     results = [torch.load(folder / f"grads{rank}.pt") for rank in range(2)]
