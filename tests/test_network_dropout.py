@@ -23,12 +23,16 @@ class Dropped(grpc.RpcError):
         return "connection dropped by the test"
 
 
-def flaky_session(site_id: str, should_drop, stall_s: float = 0.0):
-    """A Session class that breaks ``site_id``'s stream once, when ``should_drop(message)``."""
+def flaky_session(site_id: str, should_drop, stall_s: float = 0.0, pace_s: float = 0.0):
+    """A Session class that breaks ``site_id``'s stream once, when ``should_drop(message)``;
+    with ``pace_s`` every site waits that long at each step's start, so that the run lasts
+    long enough for a dropped site to come back however fast the machine is."""
     fired = threading.Event()
 
     class FlakySession(site_module.Session):
         def handle(self, message):
+            if pace_s and message.WhichOneof("kind") == "step_begin":
+                threading.Event().wait(pace_s)
             if self.site.config.site_id == site_id and not fired.is_set() and should_drop(message):
                 fired.set()
                 if stall_s:
@@ -67,7 +71,7 @@ def assert_consistent(summaries, records, steps):
 
 
 def test_dropout_in_phase_0_completes_the_step_with_the_rest_and_the_site_rejoins(tmp_path, monkeypatch):
-    monkeypatch.setattr(site_module, "Session", flaky_session("site-2", at_step_begin(2)))
+    monkeypatch.setattr(site_module, "Session", flaky_session("site-2", at_step_begin(2), pace_s=0.1))
     summaries, records = run_federation(tmp_path, 3, 30, federation={"min_sites": 2})
     assert_consistent(summaries, records, 30)
     by_step = {r["step"]: r for r in records}
