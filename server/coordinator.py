@@ -55,7 +55,6 @@ import logging
 import re
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,7 +94,6 @@ MAX_HANDSHAKES = 64  # streams between hello and admission at once; more wait (R
 MAX_HANDSHAKE_MESSAGE_BYTES = 1024  # hello (site id, token) and ready (a fingerprint) are small
 MAX_ATTEMPTS_PER_STEP = 5
 MAX_STATE_STEPS = 8  # a site keeps three saved strategy states; more in its ready message are ignored
-ACCEPTED_NORMS_KEPT = 64  # recent accepted contributions per phase and kind
 INLINE_BYTES = 1 << 20  # smaller work runs on the event loop: a hop to a worker thread costs more
 SKIP = object()  # an event that does not answer the current round
 
@@ -152,7 +150,6 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.quarantine = Quarantine(self.run_dir, config.federation.quarantine_after)
         self.step_refusals: set[str] = set()  # sites refused during the step under way
-        self.accepted_norms: dict[int, dict[str, deque]] = {}  # by phase: the influence reference with < 3 sites
         self.identity = {
             "workload": [config.workload.spec, config.workload.options],
             "strategy": [config.strategy.name, config.strategy.options],
@@ -602,14 +599,8 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                 except Exception as exc:
                     refused[index] = f"its contribution cannot be measured ({type(exc).__name__}: {exc})"
             good = list(measures)
-            history = self.accepted_norms.setdefault(phase, {})
-            outliers = influence_outliers(list(measures.values()), federation.max_influence_ratio, federation.max_update_norm, history)
-            for j, reason in outliers.items():
+            for j, reason in influence_outliers(list(measures.values()), federation.max_influence_ratio, federation.max_update_norm).items():
                 refused[good[j]] = f"contribution out of bounds: {reason}"
-            for j, measure in enumerate(measures.values()):
-                if j not in outliers:
-                    for name, value in measure.items():
-                        history.setdefault(name, deque(maxlen=ACCEPTED_NORMS_KEPT)).append(value)
             return refused
 
         try:

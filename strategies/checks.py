@@ -324,21 +324,10 @@ def layerwise_contribution(layout: Layout, payload: Payload, low_rank: Sequence[
     return {"update": math.sqrt(update) / n, "buffers": math.sqrt(buffers) / n}
 
 
-MIN_HISTORY = 8  # accepted contributions needed before they serve as the reference
-
-
-def influence_outliers(
-    measures: Sequence[dict[str, float]], max_ratio: float, max_norm: float | None,
-    history: dict[str, Sequence[float]] | None = None,
-) -> dict[int, str]:
-    """Sites (by index) whose contribution is non-finite, above ``max_ratio`` × a reference,
-    or above the absolute bound ``max_norm`` when one is set.
-
-    The reference is the median of the other sites' contributions in this phase when 3 or
-    more sites take part. With fewer, no site is a majority, so the reference is the median
-    of recently accepted contributions (``history``, once it holds ``MIN_HISTORY`` values):
-    one of two sites still cannot move the model further than ``max_ratio`` honest steps.
-    """
+def influence_outliers(measures: Sequence[dict[str, float]], max_ratio: float, max_norm: float | None) -> dict[int, str]:
+    """Sites (by index) whose contribution is non-finite, above ``max_ratio`` × the median
+    of the other sites' (with 3 or more sites; with fewer no site is a majority), or above
+    the absolute bound ``max_norm`` when one is set."""
     refused: dict[int, str] = {}
     for index, measure in enumerate(measures):
         for name, value in measure.items():
@@ -348,19 +337,14 @@ def influence_outliers(
             if max_norm is not None and value > max_norm:
                 refused[index] = f"its {name} norm {value:.3g} exceeds federation.max_update_norm={max_norm:g}"
                 break
-            past = (history or {}).get(name, ())
             if len(measures) >= 3:
-                median, of = statistics.median(m[name] for j, m in enumerate(measures) if j != index), "the other sites'"
-            elif len(past) >= MIN_HISTORY:
-                median, of = statistics.median(past), f"the last {len(past)} accepted contributions"
-            else:
-                continue
-            if value > max_ratio * median:
-                refused[index] = (
-                    f"its {name} norm {value:.3g} is more than {max_ratio:g}× the median {median:.3g} of "
-                    f"{of} (federation.max_influence_ratio)"
-                )
-                break
+                median = statistics.median(m[name] for j, m in enumerate(measures) if j != index)
+                if value > max_ratio * median:
+                    refused[index] = (
+                        f"its {name} norm {value:.3g} is more than {max_ratio:g}× the median {median:.3g} of the "
+                        "other sites' (federation.max_influence_ratio)"
+                    )
+                    break
     return refused
 
 
