@@ -1,6 +1,6 @@
 """Fuzzing an enrolled site's uploads and protocol against a real coordinator (a benchmark, not a test).
 
-    python bench/bench_fuzz.py [--cases 300] [--budget-s 90] [--strategy dad] [--seed 0]
+    python -m bench.bench_fuzz [--cases 300] [--budget-s 90] [--strategy dad] [--seed 0]
 
 A coordinator process and two honest site processes (``dadfl server`` / ``dadfl site``,
 plain text on loopback) train the digits MLP; a third, enrolled site runs in this process
@@ -53,6 +53,8 @@ from dadfl.protos.channel import channel_options
 from dadfl.protos.codec import decode_chunks, encode_payload
 from dadfl.server.enrol import enroll
 from dadfl.strategies import Payload
+
+from .coordinator_process import rss_kib, start_coordinator, write_server_toml
 
 FUZZER = "fuzzer"
 HONEST = ("honest-0", "honest-1")
@@ -312,36 +314,14 @@ def run_fuzzer(fuzzer: Fuzzer, config: SiteConfig) -> None:
 
 
 def write_configs(tmp: Path, steps: int, strategy: str, max_update_norm: float | None) -> Path:
-    (tmp / "server.toml").write_text(f"""\
-run_dir = "{tmp / 'run'}"
-threads = 1
-[listen]
-address = "127.0.0.1:0"
-tokens = "{tmp / 'tokens.json'}"
-[workload]
-spec = "digits-mlp"
-options = {{ hidden = 64 }}
-[strategy]
-name = "{strategy}"
-[optimizer]
-name = "sgd"
-lr = 0.1
-momentum = 0.9
-[training]
-steps = {steps}
-batch_size = 16
-eval_every = {steps}
-checkpoint_every = 0
-[federation]
+    return write_server_toml(tmp, steps, strategy, optimizer='name = "sgd"\nlr = 0.1\nmomentum = 0.9', federation=f"""\
 min_sites = 2
 initial_sites = 2
 phase_timeout_s = 5
 quorum_timeout_s = 120
 linger_s = 2
 quarantine_after = 1000000  # keep fuzzing: every case is one refusal
-{f"max_update_norm = {max_update_norm}" if max_update_norm else ""}
-""")
-    return tmp / "server.toml"
+{f"max_update_norm = {max_update_norm}" if max_update_norm else ""}""")
 
 
 def site_toml(tmp: Path, site_id: str, endpoint: str, index: int) -> Path:
@@ -361,25 +341,12 @@ num_sites = 3
     return path
 
 
-def peak_rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def federation(tmp: Path, steps: int, strategy: str, fuzzer: Fuzzer | None, max_update_norm: float | None = None) -> dict:
     """Run the coordinator and the honest sites (and the fuzzer); what they did."""
     config = write_configs(tmp, steps, strategy, max_update_norm)
     for name in HONEST:  # the coordinator refuses to start without a tokens file
         enroll(tmp / "tokens.json", name, replace=True)
-    log = open(tmp / "server.log", "w")
-    server = subprocess.Popen([sys.executable, "-m", "dadfl.cli", "server", "--config", str(config), "--insecure"], stdout=log, stderr=subprocess.STDOUT)
-    while not (tmp / "run" / "endpoint").exists():
-        if server.poll() is not None:
-            raise RuntimeError(f"the coordinator did not start; see {tmp / 'server.log'}")
-        time.sleep(0.1)
-    endpoint = (tmp / "run" / "endpoint").read_text()
+    server, endpoint = start_coordinator(tmp, config)
     honest = [subprocess.Popen([sys.executable, "-m", "dadfl.cli", "site", "--config", str(site_toml(tmp, name, endpoint, i)), "--insecure"],
                                stdout=subprocess.DEVNULL, stderr=open(tmp / f"{name}.log", "w")) for i, name in enumerate(HONEST)]
     try:
@@ -403,7 +370,7 @@ def watch(tmp: Path, server: subprocess.Popen, honest: list, fuzzer: Fuzzer | No
     metrics_file, progress, stalled = tmp / "run" / "metrics.jsonl", (-1, time.monotonic()), False
     while server.poll() is None:
         try:
-            peak = max(peak, peak_rss_mib(server.pid))
+            peak = max(peak, rss_kib(server.pid)["VmHWM"] / 1024)
         except (FileNotFoundError, ProcessLookupError):
             break
         size = metrics_file.stat().st_size if metrics_file.exists() else 0

@@ -1,6 +1,6 @@
 """What a hostile enrolled site can make the coordinator hold (a benchmark, not a test).
 
-    python bench/bench_resources.py [--flood-mib 216] [--sync-requests 20000]
+    python -m bench.bench_resources [--flood-mib 216] [--sync-requests 20000]
 
 Runs a real coordinator as a subprocess (plain text on loopback) and reports:
 
@@ -36,59 +36,20 @@ from dadfl.protos.codec import encode_payload
 from dadfl.server.enrol import enroll
 from dadfl.strategies import Payload
 
+from .coordinator_process import rss_kib, start_coordinator, write_server_toml
+
 PROTOCOL_VERSION = 1
 MIB = 1 << 20
 
 
-def rss_kib(pid: int) -> dict[str, int]:
-    """VmRSS and VmHWM (peak RSS) of a process, in KiB."""
-    fields = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        name, _, value = line.partition(":")
-        if name in ("VmRSS", "VmHWM"):
-            fields[name] = int(value.split()[0])
-    return fields
-
-
-def server_toml(tmp: Path, steps: int, min_sites: int, initial_sites: int) -> Path:
-    path = tmp / "server.toml"
-    path.write_text(f"""\
-run_dir = "{tmp / 'run'}"
-threads = 1
-[listen]
-address = "127.0.0.1:0"
-tokens = "{tmp / 'tokens.json'}"
-[workload]
-spec = "digits-mlp"
-options = {{ hidden = 64 }}
-[strategy]
-name = "dsgd"
-[training]
-steps = {steps}
-batch_size = 16
-eval_every = {steps}
-checkpoint_every = 0
-[federation]
+def start_server(tmp: Path, steps: int, min_sites: int, initial_sites: int) -> tuple[subprocess.Popen, str]:
+    config = write_server_toml(tmp, steps, federation=f"""\
 min_sites = {min_sites}
 initial_sites = {initial_sites}
 phase_timeout_s = 20
 quorum_timeout_s = 120
-linger_s = 1
-""")
-    return path
-
-
-def start_server(tmp: Path, **shape) -> tuple[subprocess.Popen, str]:
-    config = server_toml(tmp, **shape)
-    log = open(tmp / "server.log", "w")
-    process = subprocess.Popen([sys.executable, "-m", "dadfl.cli", "server", "--config", str(config), "--insecure"], stdout=log, stderr=subprocess.STDOUT)
-    endpoint_file = tmp / "run" / "endpoint"
-    deadline = time.monotonic() + 120
-    while not endpoint_file.exists():
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"the coordinator did not start; see {tmp / 'server.log'}")
-        time.sleep(0.1)
-    return process, endpoint_file.read_text()
+linger_s = 1""")
+    return start_coordinator(tmp, config)
 
 
 class RawSite:

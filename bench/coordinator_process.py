@@ -1,0 +1,63 @@
+"""A real coordinator as a subprocess on loopback (plain text), for the trust benchmarks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+START_TIMEOUT_S = 120.0
+
+
+def write_server_toml(tmp: Path, steps: int, strategy: str = "dsgd", optimizer: str = "", federation: str = "") -> Path:
+    """A digits-mlp run of ``steps`` in ``tmp``; ``optimizer`` and ``federation`` are the
+    TOML lines of those sections."""
+    path = tmp / "server.toml"
+    path.write_text(f"""\
+run_dir = "{tmp / 'run'}"
+threads = 1
+[listen]
+address = "127.0.0.1:0"
+tokens = "{tmp / 'tokens.json'}"
+[workload]
+spec = "digits-mlp"
+options = {{ hidden = 64 }}
+[strategy]
+name = "{strategy}"
+[optimizer]
+{optimizer}
+[training]
+steps = {steps}
+batch_size = 16
+eval_every = {steps}
+checkpoint_every = 0
+[federation]
+{federation}
+""")
+    return path
+
+
+def start_coordinator(tmp: Path, config: Path) -> tuple[subprocess.Popen, str]:
+    """Start ``dadfl server`` on ``config`` (log in ``tmp/server.log``); its endpoint once it listens."""
+    log = open(tmp / "server.log", "w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "dadfl.cli", "server", "--config", str(config), "--insecure"], stdout=log, stderr=subprocess.STDOUT
+    )
+    endpoint_file = tmp / "run" / "endpoint"
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not endpoint_file.exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the coordinator did not start; see {tmp / 'server.log'}")
+        time.sleep(0.1)
+    return process, endpoint_file.read_text()
+
+
+def rss_kib(pid: int) -> dict[str, int]:
+    """VmRSS and VmHWM (peak RSS) of a process, in KiB."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name in ("VmRSS", "VmHWM"):
+            fields[name] = int(value.split()[0])
+    return fields
