@@ -136,7 +136,7 @@ def read_csv(path: Path, target_column: str, field: str) -> Split:
     with open(path, newline="") as file:
         header = file.readline().strip().split(",")
     if target_column not in header:
-        raise ValueError(f"{field} {path}: no column {target_column!r} in the header ({len(header)} columns); set data.target_column")
+        raise DataMismatch(f"{field} {path}: no column {target_column!r} in the header ({len(header)} columns); set data.target_column")
     try:
         table = np.loadtxt(path, delimiter=",", skiprows=1, dtype=np.float64, ndmin=2)
     except ValueError:  # numpy's message quotes the value: data never reaches a message
@@ -144,7 +144,7 @@ def read_csv(path: Path, target_column: str, field: str) -> Split:
     target = header.index(target_column)
     labels = table[:, target]
     if not np.array_equal(labels, np.round(labels)):
-        raise ValueError(f"{field} {path}: column {target_column!r} must hold whole-number class labels")
+        raise DataMismatch(f"{field} {path}: column {target_column!r} must hold whole-number class labels")
     features = np.delete(table, target, axis=1).astype(np.float32)
     return Split(torch.from_numpy(features), torch.from_numpy(labels.astype(np.int64)))
 
