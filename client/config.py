@@ -60,7 +60,7 @@ class DatasetData(LoaderOptions):
     ``torch.utils.data.Dataset`` whose items are ``(inputs, target)`` pairs."""
 
     source: Literal["dataset"] = "dataset"
-    factory: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", description="'package.module:function'")
+    factory: str = Field(pattern=WORKLOAD_SPEC, description="'package.module:function'")
     options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the factory")
     batch_seed: int = 0
 

@@ -33,11 +33,14 @@ from .config import DatasetData, EvaluationData, FileData, SiteConfig
 from .data_checks import DataMismatch
 
 
-def site_dataset(config: SiteConfig, workload: Workload) -> tuple[Dataset, int]:
-    """The site's training Dataset and the seed of its minibatch order."""
+def site_dataset(config: SiteConfig, workload: Workload, data_file: Split | None = None) -> tuple[Dataset, int]:
+    """The site's training Dataset and the seed of its minibatch order (``data_file``: the
+    contents of ``data.path`` when already read)."""
     data = config.data
     if isinstance(data, FileData):
-        return SplitDataset(read_data_file(data.path, data.target_column)), data.batch_seed
+        if data_file is None:
+            data_file = read_data_file(data.path, data.target_column)
+        return SplitDataset(data_file), data.batch_seed
     if isinstance(data, DatasetData):
         return dataset_from_factory(data, config.workload_path), data.batch_seed
     train = workload.training_data()
@@ -47,11 +50,11 @@ def site_dataset(config: SiteConfig, workload: Workload) -> tuple[Dataset, int]:
 
 
 def load_site_batches(
-    config: SiteConfig, workload: Workload, batch_size: int, device: torch.device
+    config: SiteConfig, workload: Workload, batch_size: int, device: torch.device, data_file: Split | None = None
 ) -> tuple[StepBatches, Dataset | None]:
     """The site's minibatch of any step (see the module doc) and its held-out Dataset
     (None without ``[evaluation]``)."""
-    dataset, seed = site_dataset(config, workload)
+    dataset, seed = site_dataset(config, workload, data_file)
     dataset, held_out = hold_out(dataset, config.evaluation, getattr(config.data, "target_column", "target"))
     batches = StepBatches(dataset, batch_size, seed, num_workers=config.data.num_workers, pin_memory=device.type == "cuda")
     return batches, held_out
@@ -133,7 +136,7 @@ def read_csv(path: Path, target_column: str, field: str) -> Split:
     with open(path, newline="") as file:
         header = file.readline().strip().split(",")
     if target_column not in header:
-        raise ValueError(f"{field} {path}: no column {target_column!r} in the header ({len(header)} columns); set data.target_column")
+        raise DataMismatch(f"{field} {path}: no column {target_column!r} in the header ({len(header)} columns); set data.target_column")
     try:
         table = np.loadtxt(path, delimiter=",", skiprows=1, dtype=np.float64, ndmin=2)
     except ValueError:  # numpy's message quotes the value: data never reaches a message
@@ -141,7 +144,7 @@ def read_csv(path: Path, target_column: str, field: str) -> Split:
     target = header.index(target_column)
     labels = table[:, target]
     if not np.array_equal(labels, np.round(labels)):
-        raise ValueError(f"{field} {path}: column {target_column!r} must hold whole-number class labels")
+        raise DataMismatch(f"{field} {path}: column {target_column!r} must hold whole-number class labels")
     features = np.delete(table, target, axis=1).astype(np.float32)
     return Split(torch.from_numpy(features), torch.from_numpy(labels.astype(np.int64)))
 

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import torch
 
+from .run_checks import RUN_ID
+
 log = logging.getLogger("dadfl.site")
 
-RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 STATE_FILE = re.compile(r"^half-(\d{1,12})\.pt$")
 RUN_FOLDER = "run-"
 
@@ -40,7 +41,7 @@ class HalfStates:
         self.folder: Path | None = None
         if state_dir is None:
             return
-        if not RUN_ID.match(run_id):
+        if not re.fullmatch(RUN_ID, run_id):
             log.warning("run id from the server is not a plain name: strategy state is kept in memory only")
             return
         site_folder = state_dir / site_id  # site ids are plain names (SiteConfig.site_id)

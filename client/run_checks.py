@@ -56,7 +56,7 @@ def workload_allowed(spec: str, allowed: list[str]) -> bool:
     path = BUILTIN.get(spec, spec)
     if path in {BUILTIN.get(entry, entry) for entry in allowed}:  # a built-in's name allows its import path too
         return True
-    if not re.match(WORKLOAD_SPEC, path):
+    if not re.fullmatch(WORKLOAD_SPEC, path):
         return False
     module = path.split(":", 1)[0]
     return any(entry.endswith(".") and f"{module}.".startswith(entry) for entry in allowed)
@@ -66,7 +66,7 @@ def check_run_config(config: cpb.RunConfig, site: SiteConfig, max_chunk_bytes: i
     """Every field of the coordinator's run config checked against this site's config; no import of
     workload code happens here. Raises :class:`RunRefused` naming the field and what would allow it."""
     limits = site.limits
-    if not re.match(RUN_ID, config.run_id):
+    if not re.fullmatch(RUN_ID, config.run_id):
         raise RunRefused(f"the coordinator sent run_id {printable(config.run_id)}: expected 1-64 letters, digits, '_' or '-'")
     spec = config.workload
     if len(spec) > MAX_SPEC_CHARS or not workload_allowed(spec, site.allowed_workloads):
@@ -86,7 +86,7 @@ def check_run_config(config: cpb.RunConfig, site: SiteConfig, max_chunk_bytes: i
     bound("chunk_bytes", config.chunk_bytes, MIN_CHUNK_BYTES, max_chunk_bytes, None)
     if config.codec not in CODECS:
         raise RunRefused(f"the coordinator sent codec {printable(config.codec)}; this site knows {', '.join(CODECS)}")
-    if not re.match(FINGERPRINT, config.layout_fingerprint):
+    if not re.fullmatch(FINGERPRINT, config.layout_fingerprint):
         raise RunRefused(f"the coordinator sent layout fingerprint {printable(config.layout_fingerprint)}: expected hex digits")
     return CheckedRun(spec, workload_options, strategy, optimizer)
 

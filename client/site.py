@@ -36,6 +36,7 @@ from dadfl.protos.state import load_state
 from dadfl.replica import Replica, resolve_device
 from dadfl.sanitize import one_line
 from dadfl.strategies import Payload, weights_fingerprint
+from dadfl.workloads import Split
 
 from .config import FileData, SiteConfig
 from .data import data_source, held_out_source, load_site_batches, read_data_file
@@ -247,6 +248,7 @@ class Site:
     config: SiteConfig
     run: Run | None = None
     summary: SiteSummary = field(default_factory=SiteSummary)
+    data_file: Split | None = None  # data.path as read before connecting: every run trains on it
 
     def prepare(self, config: cpb.RunConfig) -> None:
         """Build the replica and data stream for the server's run (once per run id)."""
@@ -255,7 +257,7 @@ class Site:
         checked = check_run_config(config, self.config, MAX_CHUNK_BYTES)  # before any workload code is imported
         workload = build_workload(checked, self.config.limits, self.config.workload_path)
         replica = Replica(workload, checked.strategy, checked.optimizer, resolve_device(self.config.device))
-        batches, held_out = load_site_batches(self.config, workload, config.batch_size, replica.device)
+        batches, held_out = load_site_batches(self.config, workload, config.batch_size, replica.device, self.data_file)
         source = data_source(self.config, workload)
         batches = check_batches(replica.model, workload.loss, batches, source, replica.device)
         if held_out is not None:
@@ -308,9 +310,10 @@ def run_site(config: SiteConfig, insecure: bool = False) -> SiteSummary:
     if config.threads:
         torch.set_num_threads(config.threads)
     resolve_device(config.device)  # no CUDA for device = "cuda": say so before connecting
-    if isinstance(config.data, FileData):
-        read_data_file(config.data.path, config.data.target_column)  # a missing or unreadable file too
-    site = Site(config)
+    data_file = None
+    if isinstance(config.data, FileData):  # a missing or unreadable file fails before connecting, too
+        data_file = read_data_file(config.data.path, config.data.target_column)
+    site = Site(config, data_file=data_file)
     connect = config.connect
     failures, delay = 0, connect.backoff_initial_s
     while True:

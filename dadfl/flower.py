@@ -219,10 +219,9 @@ def site_data(
     if "data-path" in node_config:
         split = _read_data_file(Path(str(node_config["data-path"])))
         return split, torch.arange(len(split))
-    indices = partition(
-        config.sites, len(workload.train), config.partition, labels=workload.labels, alpha=config.alpha, seed=config.seed
-    )
-    return workload.train, indices[partition_index]
+    train = workload.training_data()
+    indices = partition(config.sites, len(train), config.partition, labels=workload.labels, alpha=config.alpha, seed=config.seed)
+    return train, indices[partition_index]
 
 
 def batch_for_step(
