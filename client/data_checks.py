@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from dadfl.workloads import SplitDataset
 
@@ -111,18 +111,27 @@ def check_batches(model: nn.Module, loss, batches, source: str, device: torch.de
     """Step 0's batch (a pure function of seed and step: drawing it changes no other step's)
     decides the conversion and goes through the model and loss (:func:`probe`). When the data
     is a :class:`~dadfl.workloads.SplitDataset` (a file or a partition) every label and every
-    integer input is checked, not only the batch's."""
+    integer input is checked, not only the batch's (also behind a held-out share)."""
     inputs, targets = batches.at(0)
     conversion = plan_conversion(model, inputs, targets, source)
     inputs, targets = conversion.apply(inputs, targets, source)
-    all_inputs = all_targets = None
-    dataset = getattr(batches, "dataset", None)
-    if isinstance(dataset, SplitDataset):
-        all_inputs, all_targets = dataset.split.inputs[dataset.index], dataset.split.targets[dataset.index]
-        if conversion.inputs is not None and not (all_inputs.is_floating_point() or all_inputs.dtype == torch.bool):
-            check_exact(all_inputs, conversion.inputs, source)
+    all_inputs, all_targets = split_rows(getattr(batches, "dataset", None))
+    if all_inputs is not None and conversion.inputs is not None and not (all_inputs.is_floating_point() or all_inputs.dtype == torch.bool):
+        check_exact(all_inputs, conversion.inputs, source)
     probe(model, loss, inputs.to(device), targets.to(device), source, all_inputs, all_targets)
     return CheckedBatches(batches, conversion, source)
+
+
+def split_rows(dataset: Dataset | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Every row of a file or partition Dataset, also when a held-out share is taken out of
+    it (a ``Subset``); (None, None) for a site's own Dataset, which is read item by item."""
+    rows = None
+    if isinstance(dataset, Subset):
+        dataset, rows = dataset.dataset, torch.as_tensor(dataset.indices, dtype=torch.int64)
+    if not isinstance(dataset, SplitDataset):
+        return None, None
+    index = dataset.index if rows is None else dataset.index[rows]
+    return dataset.split.inputs[index], dataset.split.targets[index]
 
 
 def check_dataset(model: nn.Module, loss, dataset: Dataset, source: str, device: torch.device, rows: int = 64) -> Dataset:

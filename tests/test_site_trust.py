@@ -486,3 +486,24 @@ def test_a_sites_own_dataset_is_converted_and_probed_like_a_file():
     assert inputs.dtype == torch.float32 and targets.dtype == torch.int64 and inputs.shape == (16, 64)
     with pytest.raises(DataMismatch, match=r"data.factory x:y: 16 of 16 rows hold labels outside 0..9"):
         check_batches(model, workload.loss, StepBatches(Float64Rows(labels_offset=10), 16, seed=3), "data.factory x:y", torch.device("cpu"))
+
+
+def test_labels_are_checked_in_full_also_when_a_share_is_held_out():
+    """A held-out share makes the training data a Subset of the file: every row of it is
+    still checked at start, not only step 0's batch."""
+    from dadfl.client.config import EvaluationData
+    from dadfl.client.data import hold_out
+    from dadfl.client.data_checks import check_batches
+    from dadfl.workloads import Split, SplitDataset, StepBatches
+    from dadfl.workloads.digits import mlp
+
+    workload = mlp(hidden=16)
+    digits = load_digits()
+    targets = torch.as_tensor(digits.target[:400], dtype=torch.int64)
+    targets[399] = 12  # one row, far from step 0's batch
+    dataset = SplitDataset(Split(torch.as_tensor(digits.data[:400] / 16, dtype=torch.float32), targets))
+    training, _ = hold_out(dataset, EvaluationData(fraction=0.2, seed=0))
+    assert 399 in training.indices  # the bad row is in the training share
+    batches = StepBatches(training, 16, seed=0)
+    with pytest.raises(DataMismatch, match=r"1 of 320 rows hold labels outside 0..9"):
+        check_batches(workload.build_model(), workload.loss, batches, "data.path x.npz", torch.device("cpu"))
