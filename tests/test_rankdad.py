@@ -7,7 +7,7 @@ from dadfl.strategies import Layout, apply_update, local_step, make_strategy, re
 from dadfl.strategies.rankdad import RankDAD
 from dadfl.strategies.step import exchange
 
-from model_zoo import build, per_sample_cross_entropy, site_batches
+from model_zoo import build, exchange_step, per_sample_cross_entropy, site_batches
 
 FLOAT = 4
 SIZES = (5, 1, 3)  # unequal, with a single-sample site
@@ -26,12 +26,7 @@ def weights_error(update, reference):
 
 
 def run_exchange(strategy, kind="mlp", sizes=SIZES):
-    model = build(kind)
-    batches = site_batches(kind, sizes=sizes)
-    layout = Layout.from_model(model, batches[0][0])
-    locals_ = [local_step(model, layout, per_sample_cross_entropy, x, y) for x, y in batches]
-    sites = [strategy.site(layout, model) for _ in batches]
-    messages, traffic = exchange(sites, strategy.server(layout, model), locals_, step=0)
+    layout, _, _, _, messages, traffic = exchange_step(strategy, kind, sizes)
     return layout, messages, traffic
 
 
