@@ -222,3 +222,19 @@ def test_options_are_checked():
         make_strategy("rankdad", rank=0)
     with pytest.raises(ValueError, match="raw_input"):
         make_strategy("rankdad", raw_input="everything")
+
+
+def test_uncovered_matrix_a_batch_did_not_reach_travels_as_zero_factors():
+    """A compressed parameter with no gradient at a site counts as zero there (it has no
+    dense form to be left out by), as in PowerSGD; the upload passes the server's checks."""
+    from dataclasses import replace
+
+    from dadfl.strategies.checks import ModelFacts, check_payload
+
+    strategy = make_strategy("rankdad", rank=1, raw_input="low_rank")
+    layout, batches, _, locals_, _, _ = exchange_step(strategy, "transformer", (3, 2))
+    local = replace(locals_[0], grads={k: v for k, v in locals_[0].grads.items() if k != "position"})
+    payload = strategy.site(layout, build("transformer")).begin(local, 0)
+    assert payload.tensors["position:P"].shape[-1] == 1 and not payload.tensors["position:P"].any()
+    facts = ModelFacts.from_model(build("transformer"), layout, batches[0][0])
+    assert check_payload(strategy.upload_units(layout, facts, 0, 0), payload) is None
