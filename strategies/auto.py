@@ -44,5 +44,4 @@ class Auto(Strategy):
 
     def upload_units(self, layout: Layout, facts, phase: int, step: int, model=None) -> list | None:
         """As dAD: a site picks factors or dense per layer by its own row count."""
-        shares = lambda layer: may_share(layer, self.raw_input, "activations")  # noqa: E731
-        return factor_units(layout, facts, shares) if phase == 0 else None
+        return factor_units(layout, facts, self.raw_input) if phase == 0 else None

@@ -303,13 +303,6 @@ def dense_aggregate(payloads: Sequence[Payload], names: Sequence[str], buffers: 
     return out
 
 
-def dense_update(message: Payload, names: Sequence[str], buffers: Sequence[str]) -> dict[str, torch.Tensor]:
-    update = {name: message.tensors[key] for name in names if (key := tensor_key(name, GRAD_ROLE)) in message.tensors}
-    for name in buffers:
-        update[tensor_key(name, BUFFER_ROLE)] = message.tensors[tensor_key(name, BUFFER_ROLE)]
-    return update
-
-
 def sum_in_order(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Sum in the given order: the server sorts payloads by site so sums are reproducible."""
     total = tensors[0].clone()

@@ -210,9 +210,7 @@ def _form_mismatch(unit: Unit, present: set[str]) -> str:
 
 
 def _check_form(form: Form, payload: Payload) -> str | None:
-    rows: int | None = None
-    rank: int | None = None
-    lookups: int | None = None
+    sizes: dict[str, int] = {}  # ROWS, LOOKUPS, RANK: the same in every tensor of the form
     for key, spec in form.tensors.items():
         tensor = payload.tensors[key]
         where = f"tensor {key!r}"
@@ -221,24 +219,18 @@ def _check_form(form: Form, payload: Payload) -> str | None:
         if tensor.dim() != len(spec.shape):
             return f"{where}: shape {tuple(tensor.shape)}, expected {_show(spec.shape)}"
         for axis, (size, want) in enumerate(zip(tensor.shape, spec.shape)):
-            if want == ROWS:
-                rows = size if rows is None else rows
-                if size != rows:
-                    return f"{where}: {size} rows along dimension {axis}, but {rows} in the form's other tensors"
-            elif want == LOOKUPS:
-                lookups = size if lookups is None else lookups
-                if size != lookups:
-                    return f"{where}: {size} lookups along dimension {axis}, but {lookups} in the form's other tensors"
-            elif want == RANK:
-                rank = size if rank is None else rank
-                if size != rank:
-                    return f"{where}: rank {size} along dimension {axis}, but {rank} in the form's other tensors"
+            if want in (ROWS, LOOKUPS, RANK):
+                seen = sizes.setdefault(want, size)
+                if size != seen:
+                    count = f"rank {size}" if want == RANK else f"{size} {want}"
+                    return f"{where}: {count} along dimension {axis}, but {seen} in the form's other tensors"
             elif size != want:
                 return f"{where}: shape {tuple(tensor.shape)}, expected {_show(spec.shape)}"
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             return f"{where}: contains NaN or Inf"
         if spec.bound is not None and tensor.numel() and (int(tensor.min()) < 0 or int(tensor.max()) >= spec.bound):
             return f"{where}: values outside 0..{spec.bound - 1}"
+    rows, lookups, rank = sizes.get(ROWS), sizes.get(LOOKUPS), sizes.get(RANK)
     if lookups is not None and form.lookups_per_sample and lookups > payload.num_samples * form.lookups_per_sample:
         return f"{lookups} lookups, but num_samples={payload.num_samples} makes at most {payload.num_samples * form.lookups_per_sample}"
     if rows is not None:

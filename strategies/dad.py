@@ -135,13 +135,14 @@ class FactorServer(LayerwiseServer):
         return self.downlink == "factors"
 
 
-def factor_units(layout: Layout, facts, shares: Callable[[CapturedLayer], bool]) -> list:
+def factor_units(layout: Layout, facts, raw_input: str) -> list:
     """What a ``FactorSite`` may send: uncovered gradients and buffers dense; each captured
-    layer as A and D of ``num_samples`` × rows-per-sample rows (where ``shares`` allows
+    layer as A and D of ``num_samples`` × rows-per-sample rows (where ``raw_input`` allows
     it) or as its dense gradient."""
     units = facts.dense_units(layout.uncovered) + facts.buffer_units(layout.buffers)
     for layer in layout.layers:
-        forms = (facts.layer_factors(layer), facts.layer_dense(layer)) if shares(layer) else (facts.layer_dense(layer),)
+        shares = may_share(layer, raw_input, "activations")
+        forms = (facts.layer_factors(layer), facts.layer_dense(layer)) if shares else (facts.layer_dense(layer),)
         units.append(Unit(layer.module, forms))
     return units
 
@@ -169,5 +170,4 @@ class DAD(Strategy):
         return FactorServer(layout, self.downlink)
 
     def upload_units(self, layout: Layout, facts, phase: int, step: int, model=None) -> list | None:
-        shares = lambda layer: may_share(layer, self.raw_input, "activations")  # noqa: E731
-        return factor_units(layout, facts, shares) if phase == 0 else None
+        return factor_units(layout, facts, self.raw_input) if phase == 0 else None

@@ -290,7 +290,11 @@ class RankDADSite:
                 M = layer_gradient(target.layer, factors.tensors(target.key))[0].reshape(shape) / n
                 state.errors[target.key] = (M if memory is None else M + memory) - result.dense()
         else:
-            M = local.grads[target.weight].reshape(shape) / n
+            grad = local.grads.get(target.weight)
+            if grad is None:  # this batch did not reach it: a zero gradient, as PowerSGD counts it
+                like = memory if memory is not None else next(iter(local.grads.values()), None)
+                grad = torch.zeros(target.weight_shape) if like is None else like.new_zeros(target.weight_shape)
+            M = grad.reshape(shape) / n
             if memory is not None:
                 M = M + memory
             result = dense_power_iteration(M, options.rank, generator=state.generators.on(M.device), **common)

@@ -3,22 +3,15 @@
 import pytest
 import torch
 
-from dadfl.strategies import Layout, local_step, make_strategy
-from dadfl.strategies.step import exchange
+from dadfl.strategies import local_step, make_strategy
 
-from model_zoo import build, per_sample_cross_entropy, site_batches
+from model_zoo import build, exchange_step, per_sample_cross_entropy, site_batches
 
 FLOAT = 4  # bytes of float32
 
 
 def run_exchange(strategy_name, kind="mlp", sizes=(5, 1, 3), **options):
-    model = build(kind)
-    batches = site_batches(kind, sizes=sizes)
-    layout = Layout.from_model(model, batches[0][0])
-    strategy = make_strategy(strategy_name, **options)
-    locals_ = [local_step(model, layout, per_sample_cross_entropy, x, y) for x, y in batches]
-    sites = [strategy.site(layout, model) for _ in batches]
-    messages, traffic = exchange(sites, strategy.server(layout, model), locals_, step=0)
+    layout, _, _, _, messages, traffic = exchange_step(make_strategy(strategy_name, **options), kind, sizes)
     return layout, messages, traffic
 
 

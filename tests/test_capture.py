@@ -10,9 +10,8 @@ from torch import nn
 
 from dadfl.strategies.checks import ModelFacts
 from dadfl.strategies import Layout, apply_update, local_step, make_strategy, reference_update, step_update
-from dadfl.strategies.step import exchange
 
-from model_zoo import build, per_sample_cross_entropy, site_batches
+from model_zoo import build, exchange_step, per_sample_cross_entropy, site_batches
 
 INT32, FLOAT = 4, 4
 
@@ -48,14 +47,7 @@ def test_calls_are_captured_wherever_they_happen():
 
 
 def run_site(kind, sizes, strategy="dad", **options):
-    model = build(kind)
-    batches = site_batches(kind, sizes=sizes)
-    layout = Layout.from_model(model, batches[0][0])
-    strat = make_strategy(strategy, **options)
-    locals_ = [local_step(model, layout, per_sample_cross_entropy, x, y) for x, y in batches]
-    sites = [strat.site(layout, model) for _ in batches]
-    messages, traffic = exchange(sites, strat.server(layout, model), locals_, step=0)
-    return layout, batches, sites, locals_, messages, traffic
+    return exchange_step(make_strategy(strategy, **options), kind, sizes)
 
 
 def test_embedding_factors_cost_n_times_one_plus_d():

@@ -7,7 +7,7 @@ from dadfl.strategies import Layout, apply_update, local_step, make_strategy, re
 from dadfl.strategies.rankdad import RankDAD
 from dadfl.strategies.step import exchange
 
-from model_zoo import build, per_sample_cross_entropy, site_batches
+from model_zoo import build, exchange_step, per_sample_cross_entropy, site_batches
 
 FLOAT = 4
 SIZES = (5, 1, 3)  # unequal, with a single-sample site
@@ -26,12 +26,7 @@ def weights_error(update, reference):
 
 
 def run_exchange(strategy, kind="mlp", sizes=SIZES):
-    model = build(kind)
-    batches = site_batches(kind, sizes=sizes)
-    layout = Layout.from_model(model, batches[0][0])
-    locals_ = [local_step(model, layout, per_sample_cross_entropy, x, y) for x, y in batches]
-    sites = [strategy.site(layout, model) for _ in batches]
-    messages, traffic = exchange(sites, strategy.server(layout, model), locals_, step=0)
+    layout, _, _, _, messages, traffic = exchange_step(strategy, kind, sizes)
     return layout, messages, traffic
 
 
@@ -227,3 +222,19 @@ def test_options_are_checked():
         make_strategy("rankdad", rank=0)
     with pytest.raises(ValueError, match="raw_input"):
         make_strategy("rankdad", raw_input="everything")
+
+
+def test_uncovered_matrix_a_batch_did_not_reach_travels_as_zero_factors():
+    """A compressed parameter with no gradient at a site counts as zero there (it has no
+    dense form to be left out by), as in PowerSGD; the upload passes the server's checks."""
+    from dataclasses import replace
+
+    from dadfl.strategies.checks import ModelFacts, check_payload
+
+    strategy = make_strategy("rankdad", rank=1, raw_input="low_rank")
+    layout, batches, _, locals_, _, _ = exchange_step(strategy, "transformer", (3, 2))
+    local = replace(locals_[0], grads={k: v for k, v in locals_[0].grads.items() if k != "position"})
+    payload = strategy.site(layout, build("transformer")).begin(local, 0)
+    assert payload.tensors["position:P"].shape[-1] == 1 and not payload.tensors["position:P"].any()
+    facts = ModelFacts.from_model(build("transformer"), layout, batches[0][0])
+    assert check_payload(strategy.upload_units(layout, facts, 0, 0), payload) is None
