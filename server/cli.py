@@ -140,7 +140,7 @@ seed = 0
 [data]
 # This site's own code: a map-style torch.utils.data.Dataset of (inputs, target) items.
 source = "dataset"
-factory = "{factory}"
+factory = {json.dumps(factory)}
 options = {{ {inline} }}
 """
     return f"""\
@@ -148,7 +148,7 @@ options = {{ {inline} }}
 # This site's own data: a .npz with arrays 'inputs' and 'targets', a .pt dict of tensors,
 # or a .csv with a header row and a 'target' column (see docs/workloads.md).
 source = "file"
-path = "{path or f'data/{site_id}.npz'}"
+path = {json.dumps(str(path or f'data/{site_id}.npz'))}
 """
 
 
@@ -168,7 +168,7 @@ def site_config_text(
     site_cert: tuple[Path, Path] | None = None,
 ) -> str:
     allowed = [*BUILTIN, *([workload] if workload and workload not in BUILTIN else [])]
-    identity = f'client_cert = "{site_cert[0]}"\nclient_key = "{site_cert[1]}"\n' if site_cert else ""
+    identity = f"client_cert = {json.dumps(str(site_cert[0]))}\nclient_key = {json.dumps(str(site_cert[1]))}\n" if site_cert else ""
     return f"""\
 # Site config of {site_id!r}, issued by `dadfl enroll`. The token is shown only once:
 # the server keeps only its hash. Keep this file private.
@@ -184,8 +184,8 @@ workload_path = {json.dumps([str(p) for p in workload_path])}  # folders holding
 allowed_workloads = {json.dumps(allowed)}
 
 [connect]
-server = "{address}"
-ca_cert = "{ca_cert}"
+server = {json.dumps(address)}
+ca_cert = {json.dumps(str(ca_cert))}
 {identity}
 {data}
 [evaluation]

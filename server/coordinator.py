@@ -272,7 +272,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"site speaks protocol {hello.protocol_version}, this server {PROTOCOL_VERSION}: run the same dadfl version",
             )
-        if not re.match(SITE_ID_PATTERN, hello.site_id):  # checked before the id reaches a log line or a message
+        if not re.fullmatch(SITE_ID_PATTERN, hello.site_id):  # checked before the id reaches a log line or a message
             log.warning("refused a hello from %s: site id %s is not a valid site id", context.peer(), printable(hello.site_id))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the site id must be {SITE_ID_RULE}")
         if first.ByteSize() > MAX_HANDSHAKE_MESSAGE_BYTES:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from dadfl.sanitize import printable
 
-SITE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+SITE_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"  # use with re.fullmatch: "$" would admit a trailing newline
 SITE_ID_RULE = "1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
 
 
@@ -59,7 +59,7 @@ def read_enrolment(path: Path) -> tuple[dict[str, dict], list[dict]]:
     if not isinstance(sites, dict):
         raise ValueError(f"{path}: 'sites' is not a table of site ids; re-enrol the sites with `dadfl enroll`")
     for site_id, entry in sites.items():
-        if not re.match(SITE_ID_PATTERN, site_id) or not isinstance(entry, dict) or not re.fullmatch(r"[0-9a-f]{64}", str(entry.get("sha256"))):
+        if not re.fullmatch(SITE_ID_PATTERN, site_id) or not isinstance(entry, dict) or not re.fullmatch(r"[0-9a-f]{64}", str(entry.get("sha256"))):
             raise ValueError(f"{path}: the entry of site {printable(site_id)} is not one `dadfl enroll` writes; re-enrol it with `dadfl enroll --replace`")
     if not isinstance(revoked, list) or not all(isinstance(item, dict) for item in revoked):
         raise ValueError(f"{path}: 'revoked' is not a list of revoked sites; restore it from a backup or remove it")
@@ -86,7 +86,7 @@ def check_tokens_file(path: Path) -> int:
 def enroll(path: Path, site_id: str, replace: bool = False, cert_serial: int | None = None) -> str:
     """Issue a new token for ``site_id``, store its hash (and its certificate's serial), return
     the token (shown once). Replacing an enrolment revokes the old certificate."""
-    if not re.match(SITE_ID_PATTERN, site_id):
+    if not re.fullmatch(SITE_ID_PATTERN, site_id):
         raise ValueError(f"site id {printable(site_id)} must be {SITE_ID_RULE}")
     sites, revoked = read_enrolment(path)
     if site_id in sites and not replace:

@@ -32,7 +32,7 @@ class Quarantine:
             entries = json.loads(self.path.read_text())
         except (OSError, ValueError) as exc:
             raise ValueError(f"{self.path} is not a JSON object of quarantined sites ({exc}); fix or delete it") from None
-        if not isinstance(entries, dict):
+        if not isinstance(entries, dict) or not all(isinstance(entry, dict) for entry in entries.values()):
             raise ValueError(f"{self.path} is not a JSON object of quarantined sites; fix or delete it")
         return entries
 

@@ -42,6 +42,8 @@ def test_enrolling_twice_needs_replace_and_revokes_the_old_token(tmp_path):
 def test_bad_site_ids_are_refused(tmp_path):
     with pytest.raises(ValueError, match="site id"):
         enroll(tmp_path / "t.json", "../evil")
+    with pytest.raises(ValueError, match="site id"):
+        enroll(tmp_path / "t.json", "site\n")  # "$" in a re.match pattern would let it through
 
 
 def test_enroll_command_prints_a_valid_site_config(tmp_path):
