@@ -27,6 +27,7 @@ import grpc
 import torch
 from torch.utils.data import Dataset
 
+from dadfl.metrics import is_eval_step
 from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.protos import coordinator_pb2_grpc as cpb_grpc
 from dadfl.protos import tensor_pb2 as pb
@@ -236,7 +237,7 @@ class Session:
         run, step = self.site.run, self.step.step
         if run.held_out is None or not run.config.eval_every:
             return None
-        if (step + 1) % run.config.eval_every and step + 1 != run.config.steps:
+        if not is_eval_step(step, run.config.eval_every, run.config.steps):
             return None
         scores = run.replica.evaluate(run.held_out)
         log.info("step %d: held-out %s on %d samples", step, ", ".join(f"{k} {v:.4f}" for k, v in scores.items()), len(run.held_out))

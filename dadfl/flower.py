@@ -74,7 +74,7 @@ from dadfl.strategies import Payload, make_strategy, weights_fingerprint
 from dadfl.workloads import Split, StepBatches, Workload, load_workload, partition, site_batches
 
 from .config import load_config, validate_config
-from .metrics import MetricsWriter
+from .metrics import MetricsWriter, is_eval_step
 from .replica import Replica, resolve_device
 from .simulation import Progress, SimulationConfig, StrategySpec, run_directory
 
@@ -448,7 +448,7 @@ class FlowerCoordinator:
                 "fingerprint_mismatches": mismatched,
                 **self.strategy.describe(self.replica.layout, result.messages),
             }
-            if (step + 1) % self.config.eval_every == 0 or step + 1 == self.config.steps:
+            if is_eval_step(step, self.config.eval_every, self.config.steps):
                 record.update({f"test_{k}": v for k, v in self.replica.evaluate().items()})
             self.metrics.write(record)
             summary["bytes_up"] += record["bytes_up"]

@@ -59,3 +59,9 @@ def last_value(records: Iterable[dict], key: str) -> float:
         if key in record:
             value = record[key]
     return value
+
+
+def is_eval_step(step: int, eval_every: int, steps: int) -> bool:
+    """Held-out evaluation after steps t with (t + 1) % eval_every == 0, and after the last;
+    the coordinator and every site decide it alike."""
+    return (step + 1) % eval_every == 0 or step + 1 == steps

@@ -20,7 +20,7 @@ from dadfl.strategies import exchange, make_strategy
 from dadfl.workloads import load_workload, partition, site_batches
 
 from .config import StrictModel
-from .metrics import MetricsWriter
+from .metrics import MetricsWriter, is_eval_step
 from .replica import OptimizerConfig, Replica, resolve_device
 
 
@@ -154,7 +154,7 @@ def _simulate(config: SimulationConfig, spec: StrategySpec, metrics: MetricsWrit
             "fingerprint": fingerprints.pop(),
             **strategy.describe(coordinator.layout, messages),
         }
-        if has_test and ((step + 1) % config.eval_every == 0 or step + 1 == config.steps):
+        if has_test and is_eval_step(step, config.eval_every, config.steps):
             record.update({f"test_{k}": v for k, v in coordinator.evaluate().items()})
         metrics.write(record)
         summary["bytes_up"] += record["bytes_up"]

@@ -62,7 +62,7 @@ import grpc
 import torch
 from google.protobuf.message import DecodeError
 
-from dadfl.metrics import MetricsWriter, read_metrics
+from dadfl.metrics import MetricsWriter, is_eval_step, read_metrics
 from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.protos import coordinator_pb2_grpc as cpb_grpc
 from dadfl.protos import tensor_pb2 as pb
@@ -840,6 +840,3 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         write_plots(self.run_dir)
 
 
-def is_eval_step(step: int, eval_every: int, steps: int) -> bool:
-    """Held-out evaluation after steps t with (t + 1) % eval_every == 0, and after the last."""
-    return (step + 1) % eval_every == 0 or step + 1 == steps
