@@ -78,6 +78,9 @@ class Call:
     raw: bool  # reads the model's raw input
     padding_idx: int | None = None
     delta: torch.Tensor | None = None  # Δ rows (n, out) once backward has run
+    # The input's leading dimension (the batch, when the caller's batch comes first); None for
+    # a one-dimensional input. Per-sample clipping (``privacy.py``) maps rows to samples by it.
+    lead: int | None = None
 
 
 class CallRecorder(TorchFunctionMode):
@@ -98,6 +101,9 @@ class CallRecorder(TorchFunctionMode):
         self.refused: dict[str, str] = {}
         self.uses: dict[str, set[str]] = {}
         self._views: dict[int, tuple[str, torch.Tensor, str]] = {}  # id -> (parameter, view kept alive, made by)
+        # Off while a batched (per-sample) backward runs through the same graph: its
+        # cotangents are not this batch's Δ and must not replace it.
+        self.keep_deltas = True
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -178,23 +184,26 @@ class CallRecorder(TorchFunctionMode):
             self.refused[name] = f"a {kind} call computes in {out.dtype} while the weight is {weight.dtype} (autocast)"
             return True
         raw = x.untyped_storage().data_ptr() in self.raw_storages
+        lead = int(x.shape[0]) if x.dim() >= (2 if kind in ("linear", LOOKUP) else {"conv1d": 3, "conv2d": 4}[kind]) else None
         if kind == LOOKUP:
             padding = bound["padding_idx"]
             if padding is not None and padding < 0:
                 padding += weight.shape[0]
-            call = Call(kind, name, None, None, None, 1, x.detach().reshape(-1), raw, padding)
+            call = Call(kind, name, None, None, None, 1, x.detach().reshape(-1), raw, padding, lead=lead)
         else:
             bias = self._parameter(bound["bias"], whole_only=kind != "linear") if bound["bias"] is not None else None
             groups = int(bound["groups"]) if kind != "linear" else 1
             call = Call(
                 kind, name, rows, bias[0] if bias else None, bias[1] if bias else None, groups,
-                _input_rows(kind, x.detach(), weight, bound), raw,
+                _input_rows(kind, x.detach(), weight, bound), raw, lead=lead,
             )
         self.calls.setdefault(name, []).append(call)
         width = out.shape[-1] if kind in ("linear", LOOKUP) else None
         batched_dims = {"conv1d": 3, "conv2d": 4}.get(kind)
 
         def record(grad: torch.Tensor) -> None:
+            if not self.keep_deltas:
+                return
             grad = grad.detach()
             if width is not None:
                 call.delta = grad.reshape(-1, width)
@@ -295,10 +304,10 @@ class FactorCapture:
     def __exit__(self, *exc) -> None:
         self.recorder.__exit__(*exc)
 
-    def factors(self) -> dict[str, Factors]:
-        """Factors per layer; a layer whose calls this step differ from the verified layout
-        (another call form, autocast, a raw-input read it did not have) is left out: it travels dense."""
-        result = {}
+    def problems(self) -> dict[str, str]:
+        """Why each layer whose calls this step differ from the verified layout (another call
+        form, autocast, a raw-input read it did not have) travels dense this step, by module."""
+        problems = {}
         for layer in self.layout.layers:
             calls = self.recorder.calls.get(layer.weight, [])
             problem = self.recorder.refused.get(layer.weight)
@@ -310,9 +319,18 @@ class FactorCapture:
             if problem is None and any(c.raw for c in calls) and not layer.raw_input:
                 problem = "read the raw input this step"
             if problem is not None:
-                log.warning("layer %r travels dense this step: %s", layer.module, problem)
+                problems[layer.module] = problem
+        return problems
+
+    def factors(self) -> dict[str, Factors]:
+        """Factors per layer; a layer with a problem this step (``problems``) is left out: it travels dense."""
+        problems = self.problems()
+        result = {}
+        for layer in self.layout.layers:
+            if layer.module in problems:
+                log.warning("layer %r travels dense this step: %s", layer.module, problems[layer.module])
                 continue
-            factors = layer_factors(layer, calls)
+            factors = layer_factors(layer, self.recorder.calls.get(layer.weight, []))
             if factors is not None:
                 result[layer.module] = factors
         return result
@@ -332,6 +350,44 @@ def as_args(inputs) -> tuple:
     return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
 
 
+def forward_losses(
+    model: nn.Module,
+    layout: Layout,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    inputs: torch.Tensor | Sequence[torch.Tensor],
+    targets: torch.Tensor,
+    capture: bool = True,
+) -> tuple[FactorCapture, torch.Tensor]:
+    """The forward pass of one site's batch with the layout's calls recorded: (recorder, one
+    loss per sample). Gradients are zeroed; nothing is backpropagated yet."""
+    model.zero_grad(set_to_none=True)
+    args = as_args(inputs)
+    recorder = FactorCapture(model, layout if capture else Layout((), (), (), ()), args)
+    with recorder:
+        outputs = model(*args)
+    losses = per_sample_losses(loss_fn(outputs, targets))
+    if losses.shape[0] != targets.shape[0]:
+        raise ValueError(
+            f"loss returned {losses.shape[0]} values for a batch of {targets.shape[0]} samples; "
+            "the workload loss must return one loss per sample (reduction='none')"
+        )
+    return recorder, losses
+
+
+def local_result(model: nn.Module, layout: Layout, recorder: FactorCapture, num_samples: int, loss_sum: float) -> LocalResult:
+    """What one backward left in the parameters' ``.grad`` and the recorder, as a LocalResult."""
+    params = dict(model.named_parameters())
+    grads = {name: params[name].grad.detach() for name in layout.params if params[name].grad is not None}
+    buffers = dict(model.named_buffers())
+    return LocalResult(
+        num_samples=num_samples,
+        loss_sum=loss_sum,
+        grads=grads,
+        factors=recorder.factors(),
+        buffers={name: buffers[name].detach().clone() for name in layout.buffers},
+    )
+
+
 def local_step(
     model: nn.Module,
     layout: Layout,
@@ -345,26 +401,7 @@ def local_step(
     ``grads`` holds the parameters that received a gradient; one that got none (unused by
     this batch) is absent, so it gets no update unless another site's batch reaches it.
     """
-    params = dict(model.named_parameters())
-    model.zero_grad(set_to_none=True)
-    args = as_args(inputs)
-    recorder = FactorCapture(model, layout if capture else Layout((), (), (), ()), args)
-    with recorder:
-        outputs = model(*args)
-    losses = per_sample_losses(loss_fn(outputs, targets))
-    if losses.shape[0] != targets.shape[0]:
-        raise ValueError(
-            f"loss returned {losses.shape[0]} values for a batch of {targets.shape[0]} samples; "
-            "the workload loss must return one loss per sample (reduction='none')"
-        )
+    recorder, losses = forward_losses(model, layout, loss_fn, inputs, targets, capture)
     total = losses.sum()
     total.backward()
-    grads = {name: params[name].grad.detach() for name in layout.params if params[name].grad is not None}
-    buffers = dict(model.named_buffers())
-    return LocalResult(
-        num_samples=int(targets.shape[0]),
-        loss_sum=float(total.detach()),
-        grads=grads,
-        factors=recorder.factors(),
-        buffers={name: buffers[name].detach().clone() for name in layout.buffers},
-    )
+    return local_result(model, layout, recorder, int(targets.shape[0]), float(total.detach()))
