@@ -17,7 +17,8 @@ from pydantic import Field
 from torch.utils.data import DataLoader, Dataset
 
 from dadfl.strategies import Layout, Payload, Strategy, apply_update, local_step, weights_fingerprint
-from dadfl.strategies.base import LocalResult
+from dadfl.strategies.base import LocalResult, decode_message
+from dadfl.strategies.privacy import ClipPlan, clipped_local_step
 from dadfl.workloads import Split, Workload
 
 from .config import StrictModel
@@ -50,6 +51,9 @@ class Replica:
     strategy: Strategy
     optimizer_config: OptimizerConfig
     device: torch.device = torch.device("cpu")
+    # Differential privacy ([dp]): every sample's gradient is clipped to this norm, and the
+    # step's messages are the coordinator's dense noisy update (``dadfl/privacy.py``).
+    max_grad_norm: float | None = None
 
     def __post_init__(self) -> None:
         self.model = self.workload.build_model().to(self.device)
@@ -57,9 +61,15 @@ class Replica:
         example = self.workload.example().to(self.device)
         self.layout = Layout.from_model(self.model, example)
         self.half = self.strategy.site(self.layout, self.model)
+        self.clip_plan = ClipPlan.verify(self.model, self.layout, example) if self.max_grad_norm is not None else None
 
     def local(self, inputs: torch.Tensor, targets: torch.Tensor) -> LocalResult:
         self.model.train()
+        if self.clip_plan is not None:
+            return clipped_local_step(
+                self.model, self.layout, self.clip_plan, self.workload.loss,
+                inputs.to(self.device), targets.to(self.device), self.max_grad_norm,
+            )[0]
         return local_step(
             self.model,
             self.layout,
@@ -75,6 +85,8 @@ class Replica:
 
     def decode(self, messages: Sequence[Payload]) -> dict[str, torch.Tensor]:
         """The update the step's messages carry (the weights are not touched)."""
+        if self.max_grad_norm is not None:  # the coordinator's dense noisy update
+            return decode_message(self.layout, messages[-1].to(self.device))
         return self.strategy.decode(self.layout, [m.to(self.device) for m in messages], self.model)
 
     def apply_update(self, update: dict[str, torch.Tensor]) -> str:

@@ -9,19 +9,25 @@ runs in every mode. After every step all replicas must hold bit-identical weight
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any, Callable, Literal
 
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from dadfl.strategies import exchange, make_strategy
 from dadfl.workloads import load_workload, partition, site_batches
+from dadfl.workloads.batches import PoissonBatches, SplitDataset
 
 from .config import StrictModel
 from .metrics import MetricsWriter, is_eval_step
+from .privacy import CoordinatorNoise, DPConfig, PrivacyBudget, check_dp_strategy, expected_batch, log_plan, private_step, site_sample_rate
 from .replica import OptimizerConfig, Replica, resolve_device
+
+
+log = logging.getLogger("dadfl.simulation")
 
 
 class StrategySpec(StrictModel):
@@ -87,12 +93,21 @@ class SimulationConfig(StrictModel):
         ]
     )
 
+    dp: DPConfig | None = Field(None, description="sample-level differential privacy (docs/privacy.md); off when absent")
+
     @field_validator("strategies")
     @classmethod
     def _known_strategies(cls, specs: list[StrategySpec]) -> list[StrategySpec]:
         for spec in specs:
             make_strategy(spec.name, **spec.options)  # raises with the valid names/options
         return specs
+
+    @model_validator(mode="after")
+    def _private_strategies(self) -> "SimulationConfig":
+        if self.dp is not None:
+            for spec in self.strategies:
+                check_dp_strategy(spec.name)
+        return self
 
 
 class ReplicaDivergence(RuntimeError):
@@ -122,54 +137,84 @@ def _simulate(config: SimulationConfig, spec: StrategySpec, metrics: MetricsWrit
     indices = partition(
         config.sites, len(train), config.partition, labels=workload.labels, alpha=config.alpha, seed=config.seed
     )
-    batches = [site_batches(train, index, config.batch_size, seed=config.seed + s) for s, index in enumerate(indices)]
-    coordinator = Replica(workload, strategy, config.optimizer, device)
-    sites = [Replica(workload, strategy, config.optimizer, device) for _ in indices]
+    dp, budget = config.dp, None
+    if dp is None:
+        batches = [site_batches(train, index, config.batch_size, seed=config.seed + s) for s, index in enumerate(indices)]
+    else:
+        rates = [site_sample_rate(config.batch_size, len(index)) for index in indices]
+        batches = [PoissonBatches(SplitDataset(train, index), rate, config.seed + s) for s, (index, rate) in enumerate(zip(indices, rates))]
+        budget = PrivacyBudget.resolve(dp, max(rates), config.steps)
+        noise = CoordinatorNoise(budget, seed=config.seed)  # seeded: a simulation is a reproducible experiment
+        expected = expected_batch(config.batch_size, [len(index) for index in indices])
+        log_plan(budget, config.steps)
+    clip = dp.max_grad_norm if dp else None
+    coordinator = Replica(workload, strategy, config.optimizer, device, max_grad_norm=clip)
+    sites = [Replica(workload, strategy, config.optimizer, device, max_grad_norm=clip) for _ in indices]
     for site in sites:
         site.load_weights_from(coordinator)
     server = strategy.server(coordinator.layout, coordinator.model)
     has_test = workload.test is not None and len(workload.test) > 0
 
     summary: dict[str, Any] = {"strategy": spec.display, "steps": config.steps, "bytes_up": 0, "bytes_down": 0}
-    seconds = 0.0
+    seconds, steps = 0.0, 0
     for step in range(config.steps):
+        if budget is not None and not budget.allows(step + 1):
+            log.info("%s: stopping after %d steps: one more would take ε above %g", spec.display, step, budget.stop_epsilon)
+            break
         start = time.perf_counter()
-        locals_ = [site.local(*batch.at(step)) for site, batch in zip(sites, batches)]
-        messages, traffic = exchange([site.half for site in sites], server, locals_, step)
+        drawn = [batch.at(step) for batch in batches]
+        present = [s for s, (_, targets) in enumerate(drawn) if len(targets)]  # a Poisson draw may be empty
+        locals_ = [sites[s].local(*drawn[s]) for s in present]
+        if budget is None:
+            messages, traffic = exchange([site.half for site in sites], server, locals_, step)
+            bytes_up, bytes_down = traffic.up_total, traffic.down_per_site * len(sites)
+        else:
+            downlink, bytes_up = private_step(
+                strategy, coordinator.layout, coordinator.model, [sites[s].half for s in present], server, locals_, noise, expected, step,
+            )
+            messages, bytes_down = [downlink], downlink.nbytes() * len(sites)
         fingerprints = {replica.apply(messages) for replica in [*sites, coordinator]}
         elapsed = time.perf_counter() - start
         if len(fingerprints) != 1:
             raise ReplicaDivergence(f"{spec.display}: replicas differ after step {step}")
         seconds += elapsed
+        steps += 1
         samples = sum(local.num_samples for local in locals_)
         record = {
             "strategy": spec.display,
             "step": step,
             "sites": len(sites),
             "samples": samples,
-            "train_loss": sum(local.loss_sum for local in locals_) / samples,
-            "bytes_up": traffic.up_total,
-            "bytes_down": traffic.down_per_site * len(sites),
+            "train_loss": sum(local.loss_sum for local in locals_) / samples if samples else float("nan"),
+            "bytes_up": bytes_up,
+            "bytes_down": bytes_down,
             "seconds": elapsed,
             "fingerprint": fingerprints.pop(),
-            **strategy.describe(coordinator.layout, messages),
+            **(strategy.describe(coordinator.layout, messages) if budget is None else {}),
         }
-        if has_test and is_eval_step(step, config.eval_every, config.steps):
+        evaluates = is_eval_step(step, config.eval_every, config.steps)
+        if budget is not None and (evaluates or step + 1 == config.steps):
+            record["dp_epsilon"] = budget.epsilon(step + 1)
+        if has_test and evaluates:
             record.update({f"test_{k}": v for k, v in coordinator.evaluate().items()})
         metrics.write(record)
         summary["bytes_up"] += record["bytes_up"]
         summary["bytes_down"] += record["bytes_down"]
         if progress:
             progress(step)
+    summary["steps"] = steps
+    if budget is not None:
+        summary.update(budget.summary(steps))
+        log.info("%s: (ε = %.3g, δ = %g)-differentially private after %d steps", spec.display, summary["dp_epsilon"], budget.delta, steps)
     final = coordinator.evaluate() if has_test else {"loss": float("nan"), workload.metric_name: float("nan")}
     summary.update(
         {
             "metric_name": workload.metric_name,
             "metric": final[workload.metric_name],
             "test_loss": final["loss"],
-            "bytes_up_per_step": summary["bytes_up"] / config.steps,
-            "bytes_down_per_step": summary["bytes_down"] / config.steps,
-            "seconds_per_step": seconds / config.steps,
+            "bytes_up_per_step": summary["bytes_up"] / max(steps, 1),
+            "bytes_down_per_step": summary["bytes_down"] / max(steps, 1),
+            "seconds_per_step": seconds / max(steps, 1),
         }
     )
     return summary

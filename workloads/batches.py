@@ -19,7 +19,7 @@ from typing import Iterator
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate
 
 from .base import Split
 
@@ -116,6 +116,40 @@ class StepBatches:
             )
         self._next_step = step + 1
         return next(self._loader)
+
+
+POISSON_STREAM = 0x504F4953  # keeps Poisson draws apart from the epoch permutations of the same seed
+
+
+def poisson_positions(num_samples: int, rate: float, seed: int, step: int) -> torch.Tensor:
+    """Positions of the batch at ``step`` under Poisson sampling: each sample independently
+    with probability ``rate`` (differential privacy's accountant assumes exactly this), from
+    a generator seeded by (seed, step) alone — a replayed step draws the same batch. The
+    batch may be empty."""
+    if not 0 < rate <= 1:
+        raise ValueError(f"Poisson sampling rate must be in (0, 1], got {rate}")
+    mixed = np.random.SeedSequence([seed & SEED_MASK, step, POISSON_STREAM]).generate_state(1, np.uint64)[0]
+    draws = torch.rand(num_samples, generator=torch.Generator().manual_seed(int(mixed)), dtype=torch.float64)
+    return torch.nonzero(draws < rate).reshape(-1)
+
+
+class PoissonBatches:
+    """A site's Poisson-sampled batch of any step (``poisson_positions``), same interface as
+    ``StepBatches``; an empty draw is an empty ``(inputs, targets)`` pair of the right shapes."""
+
+    def __init__(self, dataset: Dataset, rate: float, seed: int):
+        check_batching(len(dataset), 1)
+        self.dataset, self.rate, self.seed = dataset, rate, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def at(self, step: int):
+        positions = poisson_positions(len(self.dataset), self.rate, self.seed, step).tolist()
+        if not positions:
+            inputs, targets = default_collate([self.dataset[0]])
+            return inputs[:0], targets[:0]
+        return default_collate([self.dataset[i] for i in positions])
 
 
 def site_batches(split: Split, index: torch.Tensor, batch_size: int, seed: int) -> StepBatches:
