@@ -18,6 +18,7 @@ from dadfl.server.processes import simulate_processes
 from .config import ConfigError, load_config, validate_config
 from .failures import set_debug
 from .metrics import MetricsWriter
+from .privacy import EXACT_STRATEGIES
 from .replica import resolve_device
 from .report import human_bytes, write_plots
 from .simulation import SimulationConfig, StrategySpec, run_directory, simulate
@@ -67,6 +68,7 @@ def sim(
     workload_path: list[Path] = typer.Option([], "--workload-path", help="folder holding a workload package that is not installed (repeatable)"),
     out: Path = typer.Option(Path("runs"), help="folder for run directories"),
     mode: str = typer.Option("inprocess", help="inprocess (one process), processes (a coordinator and N site processes over loopback gRPC) or flower (a Flower ServerApp/ClientApp simulation)"),
+    dp_epsilon: Optional[float] = typer.Option(None, help="train with differential privacy to this ε (the [dp] section's target_epsilon; docs/privacy.md)"),
 ) -> None:
     """Simulate a federation in one process and compare strategies."""
     try:
@@ -83,6 +85,10 @@ def sim(
             base["optimizer"] = {**base["optimizer"], "lr": lr}
         if strategies is not None:
             base["strategies"] = [StrategySpec.parse(s).model_dump() for s in strategies.split(";") if s.strip()]
+        if dp_epsilon is not None:
+            base["dp"] = {**(base.get("dp") or {}), "target_epsilon": dp_epsilon}
+        if base.get("dp") and not explicit:  # the default list: keep the strategies DP can run
+            base["strategies"] = [s for s in base["strategies"] if s["name"] in EXACT_STRATEGIES]
         settings = validate_config(base, SimulationConfig, source=str(config or "command line"))
         resolve_device(settings.device)
     except (ConfigError, ValueError) as exc:
@@ -92,6 +98,8 @@ def sim(
     runners = {"inprocess": simulate, "processes": simulate_processes, "flower": _simulate_flower}
     if mode not in runners:
         fail(f"--mode {mode!r} is not one of {', '.join(runners)}")
+    if settings.dp is not None and mode != "inprocess":
+        fail(f"[dp] runs with --mode inprocess and with dadfl server/site; --mode {mode} does not add the noise yet")
     specs = _applicable(settings, explicit)
     run_dir = run_directory(out)
     (run_dir / "config.json").write_text(json.dumps(settings.model_dump(), indent=2))
@@ -153,7 +161,8 @@ def summary_table(summaries: list[dict]) -> Table:
         title=f"After {steps} steps: {metric} and loss on the held-out test set; "
         "payload bytes per step (all sites together) and milliseconds per step"
     )
-    for column in ("strategy", metric, "test loss", "up", "down", "ms/step"):
+    private = any("dp_epsilon" in s for s in summaries)
+    for column in ("strategy", metric, "test loss", "up", "down", "ms/step") + (("ε",) if private else ()):
         if column == "strategy":
             table.add_column(column, overflow="fold")
         else:
@@ -166,6 +175,7 @@ def summary_table(summaries: list[dict]) -> Table:
             human_bytes(s["bytes_up_per_step"]),
             human_bytes(s["bytes_down_per_step"]),
             f"{s['seconds_per_step'] * 1000:.1f}",
+            *((f"{s['dp_epsilon']:.3g}" if "dp_epsilon" in s else "-",) if private else ()),
         )
     return table
 

@@ -143,3 +143,118 @@ def test_a_layer_whose_rows_lead_with_time_gets_autograd_norms():
     result, _ = clipped_local_step(model, layout, plan, per_sample_cross_entropy, x, y, MAX_GRAD_NORM)
     for name, expected in per_sample_loop(model, x, y, MAX_GRAD_NORM)[1].items():
         assert relative(result.grads[name], expected) <= TOLERANCE, name
+
+
+# ----------------------------------------------------------------- sampling, noise, accounting
+
+from pydantic import ValidationError  # noqa: E402
+
+from dadfl.metrics import MetricsWriter, read_metrics  # noqa: E402
+from dadfl.privacy import CoordinatorNoise, DPConfig, PrivacyBudget, check_dp_strategy, epsilon  # noqa: E402
+from dadfl.simulation import SimulationConfig, StrategySpec, simulate  # noqa: E402
+from dadfl.workloads import partition  # noqa: E402
+from dadfl.workloads.batches import poisson_positions  # noqa: E402
+
+
+def test_poisson_sampling_is_a_pure_function_of_seed_and_step():
+    first = poisson_positions(1000, 0.05, seed=3, step=7)
+    assert torch.equal(first, poisson_positions(1000, 0.05, seed=3, step=7))
+    assert not torch.equal(first, poisson_positions(1000, 0.05, seed=3, step=8))
+    sizes = torch.tensor([len(poisson_positions(1000, 0.05, seed=3, step=t)) for t in range(200)], dtype=torch.float64)
+    assert abs(float(sizes.mean()) - 50) < 2 and float(sizes.std()) > 3  # Binomial(1000, 0.05): mean 50, std 6.9
+    assert len(poisson_positions(5, 1e-6, seed=0, step=0)) == 0  # an empty draw is allowed
+
+
+@pytest.mark.parametrize(
+    "section,match",
+    [
+        ({"max_grad_norm": 1.0}, "set noise_multiplier"),
+        ({"noise_multiplier": float("nan")}, "finite"),
+        ({"noise_multiplier": -1.0}, "greater than 0"),
+        ({"target_epsilon": float("inf")}, "finite"),
+        ({"noise_multiplier": 1.0, "delta": 1.0}, "less than 1"),
+        ({"noise_multiplier": 1.0, "max_grad_norm": 0}, "greater than 0"),
+        ({"noise_multiplier": 1.0, "accountant": "moments"}, "rdp"),
+        ({"noise_multiplier": 1.0, "clip": 1.0}, "Extra inputs"),
+    ],
+)
+def test_hostile_dp_sections_are_refused(section, match):
+    with pytest.raises(ValidationError, match=match):
+        DPConfig(**section)
+
+
+def test_low_rank_strategies_are_refused_with_dp_and_say_why():
+    with pytest.raises(ValueError, match="rankdad.*no ε would hold.*dsgd, dad, auto, edad"):
+        check_dp_strategy("rankdad")
+    with pytest.raises(ValidationError, match="powersgd"):
+        SimulationConfig(strategies=[StrategySpec(name="powersgd")], dp={"noise_multiplier": 1.0})
+
+
+def dp_run(tmp_path, strategy: str, steps: int = 30, **dp):
+    config = SimulationConfig(
+        workload="breast-cancer-mlp", sites=3, batch_size=16, steps=steps, eval_every=10,
+        strategies=[StrategySpec(name=strategy)], dp=dp,
+    )
+    path = tmp_path / f"{strategy}-{len(list(tmp_path.iterdir()))}.jsonl"
+    with MetricsWriter(path) as metrics:
+        summary = simulate(config, config.strategies[0], metrics)
+    return config, summary, list(read_metrics(path))
+
+
+def test_epsilon_is_the_accountants_own_value(tmp_path):
+    opacus = pytest.importorskip("opacus")
+    config, summary, records = dp_run(tmp_path, "dsgd", noise_multiplier=1.3, max_grad_norm=0.7)
+    train = load_workload(config.workload).training_data()
+    sizes = [len(index) for index in partition(config.sites, len(train), config.partition, labels=None, alpha=config.alpha, seed=config.seed)]
+    q = max(min(1.0, config.batch_size / n) for n in sizes)
+    theirs = opacus.accountants.RDPAccountant()
+    for _ in range(config.steps):
+        theirs.step(noise_multiplier=1.3, sample_rate=q)
+    assert summary["dp_epsilon"] == pytest.approx(theirs.get_epsilon(1e-5), rel=1e-12)
+    assert summary["dp_sample_rate"] == q and summary["dp_noise_multiplier"] == 1.3
+    assert records[-1]["dp_epsilon"] == summary["dp_epsilon"]
+    assert [r["step"] for r in records if "dp_epsilon" in r] == [9, 19, 29]
+    assert len({r["samples"] for r in records}) > 3  # Poisson batches vary in size
+
+
+def test_target_epsilon_calibrates_sigma_and_stops_when_sigma_is_given(tmp_path):
+    _, summary, _ = dp_run(tmp_path, "dad", target_epsilon=2.0)
+    assert 1.9 < summary["dp_epsilon"] <= 2.0 and summary["steps"] == 30
+    _, stopped, records = dp_run(tmp_path, "dad", steps=200, noise_multiplier=0.8, target_epsilon=2.0)
+    budget = PrivacyBudget(0.8, stopped["dp_sample_rate"], 1e-5, 1.0, "rdp", 2.0)
+    assert stopped["steps"] == len(records) < 200
+    assert stopped["dp_epsilon"] <= 2.0 < budget.epsilon(stopped["steps"] + 1)
+
+
+def test_every_exact_strategy_releases_the_same_noisy_model(tmp_path):
+    """Same seed, same Poisson batches, same noise: the clipped sum each strategy carries is
+    the same, so every replica of every strategy ends with the same weights (bit-identical
+    replicas within a run are checked by the simulation at every step)."""
+    results = {name: dp_run(tmp_path, name, steps=12, noise_multiplier=1.0)[2] for name in ("dsgd", "dad", "auto", "edad")}
+    losses = {name: [r["train_loss"] for r in records] for name, records in results.items()}
+    for name in ("dad", "auto", "edad"):
+        assert losses[name] == pytest.approx(losses["dsgd"], rel=1e-4, nan_ok=True)
+    assert results["dad"][0]["bytes_down"] == results["dsgd"][0]["bytes_down"]  # the same dense downlink
+
+
+def test_the_coordinators_noise_has_the_stated_scale_and_resumes_from_its_state():
+    layout = Layout((), ("w",), ((400, 250),), ())
+    budget = PrivacyBudget(2.0, 0.1, 1e-5, 0.5, "rdp", None)
+    noise = CoordinatorNoise(budget)
+    state = noise.state_dict()
+    first = noise.privatize(layout, {}, 0, expected=10.0, step=0).tensors["w:grad"]
+    assert float(first.std()) == pytest.approx(2.0 * 0.5 / 10.0, rel=0.02) and abs(float(first.mean())) < 1e-3
+    again = CoordinatorNoise(budget)  # another secret seed
+    assert not torch.equal(again.privatize(layout, {}, 0, 10.0, 0).tensors["w:grad"], first)
+    again.load_state_dict(state)  # a resumed coordinator
+    assert torch.equal(again.privatize(layout, {}, 0, 10.0, 0).tensors["w:grad"], first)
+    clipped = {"w": torch.ones(400, 250)}
+    noisy = CoordinatorNoise(budget, seed=1).privatize(layout, clipped, 4, 10.0, 0).tensors["w:grad"]
+    assert float(noisy.mean()) == pytest.approx(0.4, abs=2e-3)  # (mean · N + z) / B
+    assert "generator" not in repr(noise) and "state" not in repr(noise)
+
+
+def test_accountant_is_zero_before_any_step_and_grows():
+    pytest.importorskip("opacus")
+    assert epsilon(1.0, 0.1, 0, 1e-5) == 0.0
+    assert 0 < epsilon(1.0, 0.1, 10, 1e-5) < epsilon(1.0, 0.1, 100, 1e-5)
