@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.protos.codec import CODECS
 from dadfl.options import strategy_options, validation_summary
+from dadfl.privacy import SitePrivacy, check_dp_strategy
 from dadfl.replica import OptimizerConfig
 from dadfl.sanitize import printable
 from dadfl.strategies import STRATEGIES, Strategy, make_strategy
@@ -49,6 +50,7 @@ class CheckedRun:
     workload_options: dict[str, Any]
     strategy: Strategy
     optimizer: OptimizerConfig
+    privacy: SitePrivacy | None = None  # [dp]: clip to its max_grad_norm, Poisson batches
 
 
 def workload_allowed(spec: str, allowed: list[str]) -> bool:
@@ -88,7 +90,16 @@ def check_run_config(config: cpb.RunConfig, site: SiteConfig, max_chunk_bytes: i
         raise RunRefused(f"the coordinator sent codec {printable(config.codec)}; this site knows {', '.join(CODECS)}")
     if not re.fullmatch(FINGERPRINT, config.layout_fingerprint):
         raise RunRefused(f"the coordinator sent layout fingerprint {printable(config.layout_fingerprint)}: expected hex digits")
-    return CheckedRun(spec, workload_options, strategy, optimizer)
+    privacy = None
+    if config.dp:
+        try:
+            check_dp_strategy(config.strategy)
+            privacy = SitePrivacy.model_validate(parse_options(config.dp, "dp"), strict=True)
+        except ValidationError as exc:
+            raise RunRefused(f"the coordinator's dp section is not valid: {validation_summary(exc)}") from None
+        except ValueError as exc:
+            raise RunRefused(f"the coordinator asks for differential privacy with a strategy that cannot give it: {exc}") from None
+    return CheckedRun(spec, workload_options, strategy, optimizer, privacy)
 
 
 def bound(field: str, value: int, lowest: int, highest: int, site_field: str | None) -> None:

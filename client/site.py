@@ -28,6 +28,7 @@ import torch
 from torch.utils.data import Dataset
 
 from dadfl.metrics import is_eval_step
+from dadfl.privacy import poisson_cap
 from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.protos import coordinator_pb2_grpc as cpb_grpc
 from dadfl.protos import tensor_pb2 as pb
@@ -38,12 +39,13 @@ from dadfl.replica import Replica, resolve_device
 from dadfl.sanitize import one_line
 from dadfl.strategies import Payload, weights_fingerprint
 from dadfl.workloads import Split
+from dadfl.workloads.batches import PoissonBatches
 
 from .config import FileData, SiteConfig
 from .data import data_source, held_out_source, load_site_batches, read_data_file
 from .data_checks import CheckedBatches, check_batches, check_dataset
 from .half_states import HalfStates
-from .run_checks import build_workload, check_run_config
+from .run_checks import RunRefused, build_workload, check_run_config
 
 log = logging.getLogger("dadfl.site")
 
@@ -91,6 +93,7 @@ class Run:
     states: HalfStates
     half_step: int | None = 0  # the step whose start the half holds; None in the middle of a step
     held_out: Dataset | None = None  # evaluation data
+    private: bool = False  # [dp]: Poisson batches, clipped samples, the coordinator's noisy update
 
     def prepare_half(self, begin: cpb.StepBegin) -> None:
         """Bring the strategy half to the start of ``begin.step``: reset, restore or keep."""
@@ -197,6 +200,11 @@ class Session:
     def start_step(self) -> None:
         run, begin = self.site.run, self.step
         inputs, targets = run.batches.at(begin.step)
+        if run.private and not 1 <= len(targets) <= poisson_cap(run.config.batch_size):
+            # A Poisson draw with no sample (chance about e^-batch_size) or far above the batch: nothing to
+            # send; the server goes on without this site once the phase times out.
+            log.warning("step %d: the Poisson draw holds %d samples; this site sits the step out", begin.step, len(targets))
+            return
         local = run.replica.local(inputs, targets)
         run.half_step = None  # from here until the update is applied the half holds part of a step
         payload = run.replica.half.begin(local, begin.step)
@@ -257,14 +265,26 @@ class Site:
             return
         checked = check_run_config(config, self.config, MAX_CHUNK_BYTES)  # before any workload code is imported
         workload = build_workload(checked, self.config.limits, self.config.workload_path)
-        replica = Replica(workload, checked.strategy, checked.optimizer, resolve_device(self.config.device))
+        privacy = checked.privacy
+        replica = Replica(
+            workload, checked.strategy, checked.optimizer, resolve_device(self.config.device),
+            max_grad_norm=privacy.max_grad_norm if privacy else None,
+        )
         batches, held_out = load_site_batches(self.config, workload, config.batch_size, replica.device, self.data_file)
         source = data_source(self.config, workload)
+        poisson = None
+        if privacy:
+            try:
+                poisson = PoissonBatches(batches.dataset, privacy.site_rate(config.batch_size, len(batches)), batches.seed)
+            except ValueError as exc:
+                raise RunRefused(str(exc)) from None
         batches = check_batches(replica.model, workload.loss, batches, source, replica.device)
+        if poisson is not None:  # checked on the fixed batch of step 0, drawn by Poisson sampling from here
+            batches = CheckedBatches(poisson, batches.conversion, batches.source)
         if held_out is not None:
             held_out = check_dataset(replica.model, workload.loss, held_out, held_out_source(self.config, source), replica.device)
         states = HalfStates(self.config.state_dir, self.config.site_id, config.run_id, replica.device)
-        self.run = Run(config, replica, batches, codec_id(config.codec), states, held_out=held_out)
+        self.run = Run(config, replica, batches, codec_id(config.codec), states, held_out=held_out, private=privacy is not None)
         log.info("site %s: run %s, %s with %s, %d steps", self.config.site_id, config.run_id, config.workload, config.strategy, config.steps)
 
     def connect_once(self, channel: grpc.Channel) -> bool:

@@ -98,8 +98,8 @@ def sim(
     runners = {"inprocess": simulate, "processes": simulate_processes, "flower": _simulate_flower}
     if mode not in runners:
         fail(f"--mode {mode!r} is not one of {', '.join(runners)}")
-    if settings.dp is not None and mode != "inprocess":
-        fail(f"[dp] runs with --mode inprocess and with dadfl server/site; --mode {mode} does not add the noise yet")
+    if settings.dp is not None and mode == "flower":
+        fail("[dp] runs with --mode inprocess or processes (and dadfl server/site); the Flower integration does not add the noise yet")
     specs = _applicable(settings, explicit)
     run_dir = run_directory(out)
     (run_dir / "config.json").write_text(json.dumps(settings.model_dump(), indent=2))

@@ -36,6 +36,7 @@ aggregate.)
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 from dataclasses import dataclass
 from typing import Literal, Sequence
@@ -67,12 +68,41 @@ class DPConfig(StrictModel):
     max_grad_norm: float = Field(1.0, gt=0, le=1e6, allow_inf_nan=False, description="C: every sample's gradient is clipped to this norm")
     delta: float = Field(1e-5, gt=0, lt=1, allow_inf_nan=False, description="δ of (ε, δ)-DP; below 1 / (records in the federation)")
     accountant: Literal["rdp", "prv"] = "rdp"
+    max_sample_rate: float | None = Field(
+        None, gt=0, le=1, allow_inf_nan=False,
+        description="q: the largest Poisson rate a site may sample at (its rate is batch_size / its records; a site "
+        "with fewer records refuses to join). The coordinator needs it; a simulation takes its sites' largest rate",
+    )
 
     @model_validator(mode="after")
     def _noise_or_target(self) -> "DPConfig":
         if self.noise_multiplier is None and self.target_epsilon is None:
             raise ValueError("set noise_multiplier (σ), target_epsilon (ε after the planned steps), or both (σ, stopping at ε)")
         return self
+
+
+class SitePrivacy(StrictModel):
+    """What a site needs of [dp], sent in the run config (``RunConfig.dp``) and checked there."""
+
+    max_grad_norm: float = Field(gt=0, le=1e6, allow_inf_nan=False)
+    max_sample_rate: float = Field(gt=0, le=1, allow_inf_nan=False)
+
+    def site_rate(self, batch_size: int, num_samples: int) -> float:
+        """This site's Poisson rate; refused when it would exceed what the accountant assumes."""
+        rate = site_sample_rate(batch_size, num_samples)
+        if rate > self.max_sample_rate:
+            raise ValueError(
+                f"this site's {num_samples} training records sample at rate {rate:.4g} (batch_size {batch_size} / records), "
+                f"above the run's dp.max_sample_rate {self.max_sample_rate:g}, which its ε assumes; the site needs at "
+                f"least {math.ceil(batch_size / self.max_sample_rate)} records, or the coordinator a larger max_sample_rate"
+            )
+        return rate
+
+
+def poisson_cap(batch_size: int) -> int:
+    """The largest Poisson batch a site sends: ten standard deviations above the expected
+    batch_size (a larger draw has probability below 1e-20 and is not sent)."""
+    return batch_size + math.ceil(10 * math.sqrt(batch_size)) + 10
 
 
 def check_dp_strategy(name: str) -> None:
@@ -116,6 +146,10 @@ class PrivacyBudget:
 
     @classmethod
     def resolve(cls, config: DPConfig, sample_rate: float, steps: int) -> "PrivacyBudget":
+        if config.max_sample_rate is not None:
+            if sample_rate > config.max_sample_rate:
+                raise ValueError(f"a site samples at rate {sample_rate:.4g}, above dp.max_sample_rate {config.max_sample_rate:g}")
+            sample_rate = config.max_sample_rate
         if not 0 < sample_rate <= 1:
             raise ValueError(f"sampling rate {sample_rate} is outside (0, 1]")
         sigma, stop = config.noise_multiplier, None
@@ -200,7 +234,7 @@ def log_plan(budget: PrivacyBudget, steps: int) -> None:
 
 
 __all__ = [
-    "DPConfig", "PrivacyBudget", "CoordinatorNoise", "check_dp_strategy", "epsilon", "expected_batch",
+    "DPConfig", "SitePrivacy", "PrivacyBudget", "poisson_cap", "CoordinatorNoise", "check_dp_strategy", "epsilon", "expected_batch",
     "site_sample_rate",
 ]
 

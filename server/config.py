@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from dadfl.config import StrictModel, check_host_port
+from dadfl.privacy import DPConfig, check_dp_strategy
 from dadfl.options import strategy_options
 from dadfl.replica import OptimizerConfig
 from dadfl.strategies import STRATEGIES
@@ -120,6 +121,18 @@ class ServerConfig(StrictModel):
     training: TrainingConfig = TrainingConfig()
     federation: FederationConfig = FederationConfig()
     wire: WireConfig = WireConfig()
+    dp: DPConfig | None = Field(None, description="sample-level differential privacy (docs/privacy.md); off when absent")
+
+    @model_validator(mode="after")
+    def _private_run(self) -> "ServerConfig":
+        if self.dp is not None:
+            check_dp_strategy(self.strategy.name)
+            if self.dp.max_sample_rate is None:
+                raise ValueError(
+                    "dp.max_sample_rate is required: the coordinator does not know the sites' record counts, so the "
+                    "accountant uses this bound on their sampling rates (batch_size / records), and sites above it refuse to join"
+                )
+        return self
 
     def require_tls(self) -> tuple[Path, Path]:
         """The certificate and key, or a message on how to get them (or run --insecure)."""

@@ -80,6 +80,7 @@ from .certs import check_client_certificate
 from .enrol import SITE_ID_PATTERN, SITE_ID_RULE, Enrolment, EnrolmentError, token_hash, verify
 from .evaluation import EvalRejected, SiteEval, check_report, combine
 from .links import FINISH, Close, Closed, Done, SiteLink, SyncRequest, Upload
+from .privacy import ServerPrivacy, split_state
 from .progress import OperatorView
 from .quarantine import Quarantine
 from .validate import PayloadError, check_protocol
@@ -155,7 +156,15 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             "strategy": [config.strategy.name, config.strategy.options],
             "optimizer": config.optimizer.model_dump(),
         }
+        self.privacy = None  # [dp]: the noisy dense downlink replaces the strategy's message (privacy.py)
+        if config.dp is not None:
+            self.identity["dp"] = config.dp.model_dump()
+            self.privacy = ServerPrivacy(config.dp, config.training.batch_size, config.training.steps, self.replica.model)
         resumed = checkpoint.resume(self.run_dir, self.replica, self.identity)
+        if resumed and self.privacy is not None:
+            strategy_state, privacy_state = split_state(resumed.strategy_state or {})
+            self.privacy.load_state_dict(privacy_state)
+            resumed = checkpoint.Resumed(resumed.next_step, resumed.run_id, strategy_state if resumed.strategy_state is not None else None)
         self.step = resumed.next_step if resumed else 0
         self.checkpoint_step = self.step  # the step a restart would replay from
         self.run_id = resumed.run_id if resumed else uuid.uuid4().hex[:12]
@@ -204,6 +213,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             chunk_bytes=c.wire.chunk_bytes,
             max_payload_bytes=c.wire.max_payload_bytes,
             eval_every=c.training.eval_every,
+            dp=self.privacy.site_config() if self.privacy else "",
         )
 
     async def Join(self, request_iterator, context):
@@ -422,6 +432,10 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         first = True
         with MetricsWriter(self.run_dir / "metrics.jsonl") as metrics, self.view:
             while self.step < steps:
+                if self.privacy and (reason := self.privacy.stop_reason()):
+                    log.info("run %s stops after %d steps: %s", self.run_id, self.step, reason)
+                    steps = self.step
+                    break
                 attempt, failures = 0, 0
                 while True:
                     need = (self.config.federation.initial_sites or self.config.federation.min_sites) if first else self.config.federation.min_sites
@@ -547,6 +561,10 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             if isinstance(aggregated, str):
                 return self._abort(active, step, attempt, aggregated)
             uploads, message, sent, update = aggregated
+            if self.privacy:  # sites receive only the noisy dense update, never the strategy's message
+                message, sent, update = self.privacy.release(
+                    self.layout, update, sum(u.payload.num_samples for _, u in uploads), len(uploads), step, attempt, self.codec,
+                )
             active = [link for link, _ in uploads]
             bytes_up += sum(u.header.total_bytes for _, u in uploads)
             if phase == 0:
@@ -719,7 +737,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                 return None
             return event
         try:
-            check_protocol(event.payload, step, attempt, phase, self.fingerprint, self.config.training.batch_size)
+            check_protocol(event.payload, step, attempt, phase, self.fingerprint, self.privacy.max_samples if self.privacy else self.config.training.batch_size)
         except PayloadError as exc:
             self._refuse(link, f"site {link.site_id}, step {step} phase {phase}: {exc}")
             return None
@@ -784,8 +802,10 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             "site_ids": [link.site_id for link in result.participants],
             "attempt": attempt,
             "fingerprint_mismatches": mismatched,
-            **self.strategy.describe(self.layout, result.messages),
+            **(self.strategy.describe(self.layout, result.messages) if not self.privacy else {}),
         }
+        if self.privacy and (is_eval_step(step, self.config.training.eval_every, steps) or self.privacy.stop_reason()):
+            record["dp_epsilon"] = self.privacy.epsilon()
         if is_eval_step(step, self.config.training.eval_every, steps):
             evals = self._checked_evals(result.site_evals)
             if evals:
@@ -796,10 +816,10 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                 record.update({f"test_{k}": v for k, v in scores.items()})
         metrics.write(record)
         every = self.config.training.checkpoint_every
-        if (every and (step + 1) % every == 0) or step + 1 == steps:
+        if (every and (step + 1) % every == 0) or step + 1 == steps or (self.privacy and self.privacy.stop_reason()):
             await asyncio.to_thread(
                 checkpoint.save_checkpoint, self.run_dir, self.replica, self.step, self.run_id, self.identity,
-                self.half_at_step_start,
+                {**self.half_at_step_start, **(self.privacy.state_dict() if self.privacy else {})},
             )
             self.checkpoint_step = self.step
         return record
@@ -835,7 +855,10 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             "bytes_up_per_step": sum(r["bytes_up"] for r in records) / steps,
             "bytes_down_per_step": sum(r["bytes_down"] for r in records) / steps,
             "seconds_per_step": sum(r["seconds"] for r in records) / steps,
+            **(self.privacy.summary() if self.privacy else {}),
         }
+        if self.privacy:
+            log.info("run %s: (ε = %.3g, δ = %g)-differentially private", self.run_id, summary["dp_epsilon"], self.privacy.budget.delta)
         (self.run_dir / "summary.json").write_text(json.dumps([summary], indent=2))
         write_plots(self.run_dir)
 

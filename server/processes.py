@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dadfl.metrics import MetricsWriter
+from dadfl.privacy import site_sample_rate
 from dadfl.simulation import SimulationConfig, StrategySpec
 
 from .enrol import enroll
@@ -52,6 +53,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def dp_sample_rate(config: SimulationConfig) -> float:
+    """The largest Poisson rate of the simulation's sites (what the in-process mode's accountant uses)."""
+    if config.dp.max_sample_rate is not None:
+        return config.dp.max_sample_rate
+    from dadfl.workloads import load_workload, partition
+
+    workload = load_workload(config.workload, config.workload_path, **config.workload_options)
+    train = workload.training_data()
+    indices = partition(config.sites, len(train), config.partition, labels=workload.labels, alpha=config.alpha, seed=config.seed)
+    return max(site_sample_rate(config.batch_size, len(index)) for index in indices)
+
+
 def simulation_configs(config: SimulationConfig, spec: StrategySpec, folder: Path, address: str) -> tuple[Path, list[Path]]:
     """The server config and one config per site, enrolled, in ``folder``."""
     server = write_toml(
@@ -65,6 +78,7 @@ def simulation_configs(config: SimulationConfig, spec: StrategySpec, folder: Pat
             "optimizer": config.optimizer.model_dump(),
             "training": {"steps": config.steps, "batch_size": config.batch_size, "eval_every": config.eval_every, "checkpoint_every": 0},
             "federation": {"min_sites": config.sites, "initial_sites": config.sites, "linger_s": 0},
+            **({"dp": {**config.dp.model_dump(exclude_none=True), "max_sample_rate": dp_sample_rate(config)}} if config.dp else {}),
         },
     )
     sites = []
@@ -172,4 +186,5 @@ def _summary(spec: StrategySpec, config: SimulationConfig, records: list[dict]) 
         "seconds_per_step": sum(r["seconds"] for r in records) / config.steps,
         "wire_bytes_up_per_step": sum(r["wire_bytes_up"] for r in records) / config.steps,
         "wire_bytes_down_per_step": sum(r["wire_bytes_down"] for r in records) / config.steps,
+        **({"dp_epsilon": private[-1]["dp_epsilon"]} if (private := [r for r in records if "dp_epsilon" in r]) else {}),
     }
