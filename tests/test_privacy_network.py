@@ -1,0 +1,81 @@
+"""[dp] over gRPC: real coordinator and site processes draw the in-process Poisson batches,
+release only the noisy dense update, and account the same ε; hostile dp fields are refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from dadfl.client.run_checks import RunRefused, check_run_config
+from dadfl.metrics import MetricsWriter, read_metrics
+from dadfl.privacy import SitePrivacy
+from dadfl.server import simulate_processes
+from dadfl.server.config import ServerConfig
+from dadfl.simulation import SimulationConfig, StrategySpec, simulate
+from test_site_trust import demo_site_config, run_config
+
+
+def test_processes_draw_the_same_batches_and_account_the_same_epsilon(tmp_path):
+    spec = StrategySpec(name="dad")
+    config = SimulationConfig(
+        workload="digits-mlp", workload_options={"hidden": 16}, sites=3, batch_size=24, steps=6, eval_every=3,
+        device="cpu", strategies=[spec], dp={"noise_multiplier": 1.0, "max_grad_norm": 0.5},
+    )
+    with MetricsWriter(tmp_path / "processes.jsonl") as metrics:
+        summary = simulate_processes(config, spec, metrics)
+    with MetricsWriter(tmp_path / "memory.jsonl") as metrics:
+        reference = simulate(config, spec, metrics)
+    networked, in_memory = list(read_metrics(tmp_path / "processes.jsonl")), list(read_metrics(tmp_path / "memory.jsonl"))
+    for net, mem in zip(networked, in_memory, strict=True):
+        for key in ("step", "sites", "samples", "bytes_up", "bytes_down", "dp_epsilon"):
+            assert net.get(key) == mem.get(key), key
+        assert net["fingerprint_mismatches"] == []  # every site applied the coordinator's noisy update
+        assert net["fingerprint"] != mem["fingerprint"]  # the coordinator's noise is its own secret, not the simulation's seed
+    assert len({r["samples"] for r in networked}) > 1  # Poisson batches
+    assert summary["dp_epsilon"] == reference["dp_epsilon"] > 0
+
+
+HOSTILE_DP = {
+    "not JSON": ("{max_grad_norm", "not valid JSON"),
+    "negative norm": ('{"max_grad_norm": -1, "max_sample_rate": 0.1}', "max_grad_norm"),
+    "NaN rate": ('{"max_grad_norm": 1, "max_sample_rate": NaN}', "max_sample_rate"),
+    "rate above 1": ('{"max_grad_norm": 1, "max_sample_rate": 2}', "max_sample_rate"),
+    "extra key": ('{"max_grad_norm": 1, "max_sample_rate": 0.1, "noise_seed": 0}', "noise_seed: Extra inputs"),
+    "string norm": ('{"max_grad_norm": "1", "max_sample_rate": 0.1}', "max_grad_norm"),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_DP))
+def test_hostile_dp_fields_of_a_run_config_are_refused(name):
+    text, message = HOSTILE_DP[name]
+    with pytest.raises(RunRefused, match="dp") as refused:
+        check_run_config(run_config(dp=text), demo_site_config(), max_chunk_bytes=4 << 20)
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_site_refuses_dp_with_a_low_rank_strategy_and_accepts_a_valid_section():
+    valid = json.dumps({"max_grad_norm": 1.0, "max_sample_rate": 0.1})
+    with pytest.raises(RunRefused, match="cannot give it.*rankdad"):
+        check_run_config(run_config(dp=valid, strategy="rankdad"), demo_site_config(), max_chunk_bytes=4 << 20)
+    checked = check_run_config(run_config(dp=valid), demo_site_config(), max_chunk_bytes=4 << 20)
+    assert checked.privacy == SitePrivacy(max_grad_norm=1.0, max_sample_rate=0.1)
+    assert check_run_config(run_config(), demo_site_config(), max_chunk_bytes=4 << 20).privacy is None
+
+
+def test_a_site_whose_rate_exceeds_the_accounted_one_refuses_to_join():
+    privacy = SitePrivacy(max_grad_norm=1.0, max_sample_rate=0.1)
+    assert privacy.site_rate(batch_size=32, num_samples=640) == 0.05
+    with pytest.raises(ValueError, match="at least 320 records"):
+        privacy.site_rate(batch_size=32, num_samples=100)
+
+
+@pytest.mark.parametrize(
+    "dp,strategy,match",
+    [({"noise_multiplier": 1.0}, "dad", "max_sample_rate is required"),
+     ({"noise_multiplier": 1.0, "max_sample_rate": 0.1}, "powersgd", "cannot run with \\[dp\\]")],
+)
+def test_the_coordinator_refuses_a_dp_section_it_cannot_honour(dp, strategy, match):
+    with pytest.raises(ValidationError, match=match):
+        ServerConfig(dp=dp, strategy={"name": strategy})
