@@ -79,3 +79,56 @@ def test_a_site_whose_rate_exceeds_the_accounted_one_refuses_to_join():
 def test_the_coordinator_refuses_a_dp_section_it_cannot_honour(dp, strategy, match):
     with pytest.raises(ValidationError, match=match):
         ServerConfig(dp=dp, strategy={"name": strategy})
+
+
+def test_a_killed_private_coordinator_replays_its_noise_bit_identically(tmp_path):
+    """The coordinator is SIGKILLed after its checkpoint and restarted: it restores its noise
+    generator and release count, so every replayed step releases exactly the update it
+    released before (same fingerprints), and the run ends with the accountant's ε for its
+    steps — not for the replays, which released nothing new."""
+    import signal
+    import subprocess
+
+    from network_helpers import SiteThread, dadfl_command, free_port, server_config, site_config, write_toml
+    from test_resume_exact import ENV, records, wait_for
+
+    steps, port = 14, free_port()
+    server = server_config(
+        tmp_path, threads=1, listen={"address": f"127.0.0.1:{port}"}, strategy={"name": "dad"},
+        training={"steps": steps, "batch_size": 16, "eval_every": 7, "checkpoint_every": 4},
+        federation={"min_sites": 2, "phase_timeout_s": 20, "quorum_timeout_s": 60, "linger_s": 2},
+        dp={"noise_multiplier": 1.0, "max_grad_norm": 0.5, "max_sample_rate": 0.1},
+    )
+    connect = {"max_attempts": 2000, "backoff_initial_s": 0.05, "backoff_max_s": 0.2}
+    sites = [site_config(tmp_path, f"site-{i}", f"127.0.0.1:{port}", i, 2, connect=connect) for i in range(2)]
+    server_toml = write_toml(tmp_path / "server.toml", server.model_dump(mode="json"))
+    log_path = tmp_path / "server.log"
+
+    def start_server() -> subprocess.Popen:
+        with log_path.open("a") as log:
+            return subprocess.Popen(dadfl_command("server", "--config", str(server_toml), "--insecure"), env=ENV, stdout=log, stderr=log)
+
+    process = start_server()
+    threads = [SiteThread(config).start() for config in sites]
+    try:
+        wait_for(lambda: len(records(server.run_dir)) >= 6 or process.poll() is not None, 180, "6 steps")
+        process.send_signal(signal.SIGKILL)
+        process.wait(10)
+        before = {r["step"]: r["fingerprint"] for r in records(server.run_dir)}
+        assert 6 <= len(before) < steps and max(before) >= 4, "the kill must come after a checkpoint and before the end"
+        process = start_server()
+        assert process.wait(180) == 0, log_path.read_text()[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+    for thread in threads:
+        thread.join(60)
+    history = records(server.run_dir)
+    assert [r["step"] for r in history] == list(range(steps))
+    replayed = [step for step in before if step >= 4]
+    assert replayed and all(history[step]["fingerprint"] == before[step] for step in before)
+    assert "resuming run" in log_path.read_text()
+    summary = json.loads((server.run_dir / "summary.json").read_text())[0]
+    assert summary["dp_releases"] == steps
+    assert summary["dp_epsilon"] == pytest.approx(history[-1]["dp_epsilon"])
