@@ -72,6 +72,31 @@ def refuse_sample_mixing(model: nn.Module) -> None:
             )
 
 
+def refuse_learning_buffers(model: nn.Module, example_inputs) -> None:
+    """Refuse a model whose training forward changes a floating buffer (a statistic learnt
+    from the batch): under DP only the noisy parameter update leaves the coordinator, so such
+    a buffer would carry unprotected data and drift between replicas."""
+    before = {name: b.detach().clone() for name, b in model.named_buffers() if b.is_floating_point()}
+    if not before:
+        return
+    was_training = model.training
+    model.train()
+    try:
+        with torch.no_grad():
+            model(*as_args(example_inputs))
+        changed = [name for name, b in model.named_buffers() if name in before and not torch.equal(b, before[name])]
+    finally:
+        for name, b in model.named_buffers():
+            if name in before:
+                b.copy_(before[name])
+        model.train(was_training)
+    if changed:
+        raise ValueError(
+            f"buffer {changed[0]!r} changes in a training forward pass (a statistic learnt from the batch), which "
+            "differential privacy does not cover; compute it outside the model or make it a parameter"
+        )
+
+
 @dataclass(frozen=True)
 class ClipPlan:
     """The captured layers whose per-sample norms are read off their factors; the others
@@ -85,6 +110,7 @@ class ClipPlan:
         """Check each layer's factor norms against autograd's per-sample gradients on the
         example (a seeded per-sample functional of the output, eval mode)."""
         refuse_sample_mixing(model)
+        refuse_learning_buffers(model, example_inputs)
         was_training = model.training
         model.eval()
         try:

@@ -123,6 +123,25 @@ def test_batchnorm_is_refused_naming_the_module_and_the_replacement():
         ClipPlan.verify(model, Layout.from_model(model, x), x)
 
 
+def test_a_buffer_learnt_from_the_batch_is_refused():
+    class RunningMean(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(12, 5)
+            self.register_buffer("mean", torch.zeros(12))
+
+        def forward(self, x):
+            if self.training:
+                self.mean.mul_(0.9).add_(0.1 * x.mean(dim=0))
+            return self.head(x - self.mean)
+
+    model = RunningMean()
+    x = site_batches("mlp", sizes=(4,))[0][0]
+    with pytest.raises(ValueError, match="buffer 'mean' changes in a training forward"):
+        ClipPlan.verify(model, Layout.from_model(model, x), x)
+    assert torch.equal(model.mean, torch.zeros(12))  # the check leaves the model as it was
+
+
 def test_a_layer_whose_rows_lead_with_time_gets_autograd_norms():
     """Time-major calls (T, B, ·) cannot be split by sample from the leading dimension:
     the verification sends them to autograd, and the clipped sum stays exact."""
