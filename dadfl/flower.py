@@ -149,6 +149,10 @@ class RunSettings:
     config: SimulationConfig
     spec: StrategySpec
 
+    def __post_init__(self) -> None:
+        if self.config.dp is not None:  # never train without the noise the config asks for
+            raise ValueError("[dp] is not supported by the Flower integration yet; use dadfl sim or dadfl server/site")
+
     def to_json(self) -> str:
         return json.dumps({"config": self.config.model_dump(mode="json"), "strategy": self.spec.model_dump(mode="json")})
 
