@@ -159,7 +159,9 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         self.privacy = None  # [dp]: the noisy dense downlink replaces the strategy's message (privacy.py)
         if config.dp is not None:
             self.identity["dp"] = config.dp.model_dump()
-            self.privacy = ServerPrivacy(config.dp, config.training.batch_size, config.training.steps, self.replica.model)
+            self.privacy = ServerPrivacy(
+                config.dp, config.training.batch_size, config.training.steps, self.replica.model, workload.example(),
+            )
         resumed = checkpoint.resume(self.run_dir, self.replica, self.identity)
         if resumed and self.privacy is not None:
             strategy_state, privacy_state = split_state(resumed.strategy_state or {})

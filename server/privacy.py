@@ -25,7 +25,7 @@ from dadfl.privacy import NOISE_STATE, CoordinatorNoise, DPConfig, PrivacyBudget
 from dadfl.protos.codec import roundtrip
 from dadfl.strategies import Layout, Payload
 from dadfl.strategies.base import decode_message
-from dadfl.strategies.privacy import refuse_sample_mixing
+from dadfl.strategies.privacy import refuse_learning_buffers, refuse_sample_mixing
 
 log = logging.getLogger("dadfl.server")
 
@@ -40,8 +40,9 @@ def split_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor]
 
 
 class ServerPrivacy:
-    def __init__(self, config: DPConfig, batch_size: int, steps: int, model: torch.nn.Module):
-        refuse_sample_mixing(model)
+    def __init__(self, config: DPConfig, batch_size: int, steps: int, model: torch.nn.Module, example_inputs):
+        refuse_sample_mixing(model)  # what every site would refuse, refused before any site joins
+        refuse_learning_buffers(model, example_inputs)
         self.config, self.batch_size = config, batch_size
         self.budget = PrivacyBudget.resolve(config, config.max_sample_rate, steps)
         self.noise = CoordinatorNoise(self.budget)

@@ -81,9 +81,11 @@ def refuse_learning_buffers(model: nn.Module, example_inputs) -> None:
         return
     was_training = model.training
     model.train()
+    args = as_args(example_inputs)
+    cuda = sorted({t.device.index or 0 for t in args if torch.is_tensor(t) and t.device.type == "cuda"})
     try:
-        with torch.no_grad():
-            model(*as_args(example_inputs))
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda):  # dropout's draws leave the run's streams alone
+            model(*args)
         changed = [name for name, b in model.named_buffers() if name in before and not torch.equal(b, before[name])]
     finally:
         for name, b in model.named_buffers():
