@@ -18,6 +18,9 @@ from dadfl.replica import OptimizerConfig
 from dadfl.strategies import STRATEGIES
 
 
+MIN_PRIVATE_BATCH = 16  # an empty Poisson draw at some site: about 1e-7 per site and step
+
+
 class ListenConfig(StrictModel):
     address: str = Field("127.0.0.1:50051", description="host:port to listen on; port 0 picks a free port")
     tls_cert: Path | None = Field(None, description="PEM certificate chain of the server")
@@ -127,6 +130,12 @@ class ServerConfig(StrictModel):
     def _private_run(self) -> "ServerConfig":
         if self.dp is not None:
             check_dp_strategy(self.strategy.name)
+            if self.training.batch_size < MIN_PRIVATE_BATCH:
+                raise ValueError(
+                    f"training.batch_size {self.training.batch_size} is too small for [dp]: a site's Poisson draw is empty with "
+                    f"probability about e^-batch_size, and a site with nothing to send sits the step out (the coordinator waits "
+                    f"phase_timeout_s for it); use at least {MIN_PRIVATE_BATCH}"
+                )
             if self.dp.max_sample_rate is None:
                 raise ValueError(
                     "dp.max_sample_rate is required: the coordinator does not know the sites' record counts, so the "

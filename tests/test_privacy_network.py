@@ -74,11 +74,13 @@ def test_a_site_whose_rate_exceeds_the_accounted_one_refuses_to_join():
 @pytest.mark.parametrize(
     "dp,strategy,match",
     [({"noise_multiplier": 1.0}, "dad", "max_sample_rate is required"),
-     ({"noise_multiplier": 1.0, "max_sample_rate": 0.1}, "powersgd", "cannot run with \\[dp\\]")],
+     ({"noise_multiplier": 1.0, "max_sample_rate": 0.1}, "powersgd", "cannot run with \\[dp\\]"),
+     ({"noise_multiplier": 1.0, "max_sample_rate": 0.1}, "dsgd:batch=4", "batch_size 4 is too small for \\[dp\\]")],
 )
 def test_the_coordinator_refuses_a_dp_section_it_cannot_honour(dp, strategy, match):
+    name, _, batch = strategy.partition(":batch=")
     with pytest.raises(ValidationError, match=match):
-        ServerConfig(dp=dp, strategy={"name": strategy})
+        ServerConfig(dp=dp, strategy={"name": name}, training={"batch_size": int(batch or 32)})
 
 
 def test_a_killed_private_coordinator_replays_its_noise_bit_identically(tmp_path):
