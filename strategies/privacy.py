@@ -132,7 +132,10 @@ class ClipPlan:
                 kept, reasons = [], []
                 problems = recorder.problems()
                 for layer in layout.layers:
-                    factor_sq = None if layer.module in problems else factor_sq_norms(layer, recorder.recorder.calls.get(layer.weight, []), batch)
+                    if layer.module in problems:
+                        reasons.append((layer.module, problems[layer.module]))
+                        continue
+                    factor_sq = factor_sq_norms(layer, recorder.recorder.calls.get(layer.weight, []), batch)
                     if factor_sq is None:
                         reasons.append((layer.module, "its rows cannot be matched to samples (the batch is not their leading dimension)"))
                         continue
