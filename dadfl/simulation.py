@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 import torch
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from dadfl.strategies import exchange, make_strategy
 from dadfl.workloads import load_workload, partition, site_batches
@@ -102,12 +102,13 @@ class SimulationConfig(StrictModel):
             make_strategy(spec.name, **spec.options)  # raises with the valid names/options
         return specs
 
-    @model_validator(mode="after")
-    def _private_strategies(self) -> "SimulationConfig":
-        if self.dp is not None:
-            for spec in self.strategies:
+    @field_validator("dp")
+    @classmethod
+    def _private_strategies(cls, dp: DPConfig | None, info: ValidationInfo) -> DPConfig | None:
+        if dp is not None:
+            for spec in info.data.get("strategies", []):
                 check_dp_strategy(spec.name)
-        return self
+        return dp
 
 
 class ReplicaDivergence(RuntimeError):

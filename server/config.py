@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from dadfl.config import StrictModel, check_host_port
 from dadfl.privacy import DPConfig, check_dp_strategy
@@ -126,22 +126,26 @@ class ServerConfig(StrictModel):
     wire: WireConfig = WireConfig()
     dp: DPConfig | None = Field(None, description="sample-level differential privacy (docs/privacy.md); off when absent")
 
-    @model_validator(mode="after")
-    def _private_run(self) -> "ServerConfig":
-        if self.dp is not None:
-            check_dp_strategy(self.strategy.name)
-            if self.training.batch_size < MIN_PRIVATE_BATCH:
-                raise ValueError(
-                    f"training.batch_size {self.training.batch_size} is too small for [dp]: a site's Poisson draw is empty with "
-                    f"probability about e^-batch_size, and a site with nothing to send sits the step out (the coordinator waits "
-                    f"phase_timeout_s for it); use at least {MIN_PRIVATE_BATCH}"
-                )
-            if self.dp.max_sample_rate is None:
-                raise ValueError(
-                    "dp.max_sample_rate is required: the coordinator does not know the sites' record counts, so the "
-                    "accountant uses this bound on their sampling rates (batch_size / records), and sites above it refuse to join"
-                )
-        return self
+    @field_validator("dp")
+    @classmethod
+    def _private_run(cls, dp: DPConfig | None, info: ValidationInfo) -> DPConfig | None:
+        if dp is None:
+            return dp
+        if "strategy" in info.data:
+            check_dp_strategy(info.data["strategy"].name)
+        batch_size = info.data["training"].batch_size if "training" in info.data else MIN_PRIVATE_BATCH
+        if batch_size < MIN_PRIVATE_BATCH:
+            raise ValueError(
+                f"training.batch_size {batch_size} is too small for [dp]: a site's Poisson draw is empty with "
+                f"probability about e^-batch_size, and a site with nothing to send sits the step out (the coordinator waits "
+                f"phase_timeout_s for it); use at least {MIN_PRIVATE_BATCH}"
+            )
+        if dp.max_sample_rate is None:
+            raise ValueError(
+                "dp.max_sample_rate is required: the coordinator does not know the sites' record counts, so the "
+                "accountant uses this bound on their sampling rates (batch_size / records), and sites above it refuse to join"
+            )
+        return dp
 
     def require_tls(self) -> tuple[Path, Path]:
         """The certificate and key, or a message on how to get them (or run --insecure)."""

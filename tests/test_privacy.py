@@ -277,3 +277,34 @@ def test_accountant_is_zero_before_any_step_and_grows():
     pytest.importorskip("opacus")
     assert epsilon(1.0, 0.1, 0, 1e-5) == 0.0
     assert 0 < epsilon(1.0, 0.1, 10, 1e-5) < epsilon(1.0, 0.1, 100, 1e-5)
+
+
+def test_sim_command_keeps_the_default_strategies_dp_can_run_and_reports_epsilon(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "dadfl.cli", "sim", "--workload", "breast-cancer-mlp", "--steps", "3", "--sites", "2",
+         "--dp-epsilon", "5", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    (run_dir,) = tmp_path.iterdir()
+    summaries = json.loads((run_dir / "summary.json").read_text())
+    assert [s["strategy"] for s in summaries] == ["dsgd", "dad", "auto", "edad"]  # rankdad, powersgd left out
+    assert all(0 < s["dp_epsilon"] <= 5 for s in summaries) and "ε" in result.stdout
+    refused = subprocess.run(
+        [sys.executable, "-m", "dadfl.cli", "sim", "--strategies", "rankdad:rank=2", "--dp-epsilon", "5", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )
+    message = " ".join(refused.stdout.split())  # the console wraps lines
+    assert refused.returncode == 2 and "field 'dp'" in message and "cannot run with [dp]" in message
+    assert "'workload'" not in message  # names the field, does not dump the configuration
+
+
+def test_the_prv_accountant_is_opacus_own():
+    opacus = pytest.importorskip("opacus")
+    theirs = opacus.accountants.PRVAccountant()
+    theirs.history = [(1.1, 0.02, 500)]
+    assert epsilon(1.1, 0.02, 500, 1e-5, "prv") == pytest.approx(theirs.get_epsilon(1e-5), rel=1e-9)
