@@ -162,7 +162,13 @@ class PrivacyBudget:
             ))
         elif config.target_epsilon is not None:
             stop = config.target_epsilon
-        return cls(sigma, sample_rate, config.delta, config.max_grad_norm, config.accountant, stop)
+        budget = cls(sigma, sample_rate, config.delta, config.max_grad_norm, config.accountant, stop)
+        if not budget.allows(1):
+            raise ValueError(
+                f"with noise_multiplier {sigma:g} a single step already gives ε = {budget.epsilon(1):.3g}, above "
+                f"target_epsilon {stop:g}: raise noise_multiplier or target_epsilon (or set target_epsilon alone)"
+            )
+        return budget
 
     def epsilon(self, steps: int) -> float:
         return epsilon(self.noise_multiplier, self.sample_rate, steps, self.delta, self.accountant)

@@ -239,9 +239,9 @@ def test_epsilon_is_the_accountants_own_value(tmp_path):
 def test_target_epsilon_calibrates_sigma_and_stops_when_sigma_is_given(tmp_path):
     _, summary, _ = dp_run(tmp_path, "dad", target_epsilon=2.0)
     assert 1.9 < summary["dp_epsilon"] <= 2.0 and summary["steps"] == 30
-    _, stopped, records = dp_run(tmp_path, "dad", steps=200, noise_multiplier=0.8, target_epsilon=2.0)
-    budget = PrivacyBudget(0.8, stopped["dp_sample_rate"], 1e-5, 1.0, "rdp", 2.0)
-    assert stopped["steps"] == len(records) < 200
+    _, stopped, records = dp_run(tmp_path, "dad", steps=200, noise_multiplier=1.5, target_epsilon=2.0)
+    budget = PrivacyBudget(1.5, stopped["dp_sample_rate"], 1e-5, 1.0, "rdp", 2.0)
+    assert 10 < stopped["steps"] == len(records) < 200
     assert stopped["dp_epsilon"] <= 2.0 < budget.epsilon(stopped["steps"] + 1)
 
 
@@ -271,6 +271,12 @@ def test_the_coordinators_noise_has_the_stated_scale_and_resumes_from_its_state(
     noisy = CoordinatorNoise(budget, seed=1).privatize(layout, clipped, 4, 10.0, 0).tensors["w:grad"]
     assert float(noisy.mean()) == pytest.approx(0.4, abs=2e-3)  # (mean · N + z) / B
     assert "generator" not in repr(noise) and "state" not in repr(noise)
+
+
+def test_a_noise_multiplier_that_passes_the_target_in_one_step_is_refused():
+    pytest.importorskip("opacus")
+    with pytest.raises(ValueError, match="a single step already gives ε = 2.01, above target_epsilon 1"):
+        PrivacyBudget.resolve(DPConfig(noise_multiplier=0.9, target_epsilon=1.0), sample_rate=0.05, steps=100)
 
 
 def test_accountant_is_zero_before_any_step_and_grows():

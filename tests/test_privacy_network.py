@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from dadfl.client.run_checks import RunRefused, check_run_config
 from dadfl.metrics import MetricsWriter, read_metrics
-from dadfl.privacy import SitePrivacy
+from dadfl.privacy import SitePrivacy, epsilon
 from dadfl.server import simulate_processes
 from dadfl.server.config import ServerConfig
 from dadfl.simulation import SimulationConfig, StrategySpec, simulate
@@ -134,3 +134,24 @@ def test_a_killed_private_coordinator_replays_its_noise_bit_identically(tmp_path
     summary = json.loads((server.run_dir / "summary.json").read_text())[0]
     assert summary["dp_releases"] == steps
     assert summary["dp_epsilon"] == pytest.approx(history[-1]["dp_epsilon"])
+
+
+def test_the_coordinator_stops_before_a_step_would_pass_the_target_epsilon(tmp_path):
+    from network_helpers import ServerThread, SiteThread, server_config, site_config
+
+    server_cfg = server_config(
+        tmp_path, strategy={"name": "auto"}, training={"steps": 200, "batch_size": 16, "eval_every": 50, "checkpoint_every": 0},
+        dp={"noise_multiplier": 1.5, "target_epsilon": 1.0, "max_sample_rate": 0.05},
+    )
+    server = ServerThread(server_cfg).start()
+    sites = [SiteThread(site_config(tmp_path, f"site-{i}", server.endpoint, i, 2)).start() for i in range(2)]
+    server.join()
+    summaries = [site.join() for site in sites]
+    history = list(read_metrics(server_cfg.run_dir / "metrics.jsonl"))
+    summary = json.loads((server_cfg.run_dir / "summary.json").read_text())[0]
+    steps = len(history)
+    assert 0 < steps < 200 and summary["dp_releases"] == steps
+    assert summary["dp_epsilon"] <= 1.0 < epsilon(1.5, 0.05, steps + 1, 1e-5)
+    assert history[-1]["dp_epsilon"] == summary["dp_epsilon"]
+    assert all("finished" in s.finished for s in summaries)  # the sites heard the run end
+    assert {s.fingerprint for s in summaries} == {history[-1]["fingerprint"]}
