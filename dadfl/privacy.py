@@ -35,6 +35,7 @@ aggregate.)
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import secrets
@@ -122,6 +123,7 @@ def site_sample_rate(batch_size: int, num_samples: int) -> float:
     return min(1.0, batch_size / num_samples)
 
 
+@functools.lru_cache(maxsize=1024)  # a pure function, asked several times per step (the PRV accountant takes a second)
 def epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: float, accountant: str = "rdp") -> float:
     """ε after ``steps`` sampled Gaussian steps, by Opacus's accountant (0 before any step)."""
     if steps <= 0:

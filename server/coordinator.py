@@ -565,7 +565,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             uploads, message, sent, update = aggregated
             if self.privacy:  # sites receive only the noisy dense update, never the strategy's message
                 message, sent, update = self.privacy.release(
-                    self.layout, update, sum(u.payload.num_samples for _, u in uploads), len(uploads), step, attempt, self.codec,
+                    self.layout, update, sum(u.payload.num_samples for _, u in uploads), len(uploads), step, self.codec,
                 )
             active = [link for link, _ in uploads]
             bytes_up += sum(u.header.total_bytes for _, u in uploads)

@@ -27,8 +27,6 @@ from dadfl.strategies import Layout, Payload
 from dadfl.strategies.base import decode_message
 from dadfl.strategies.privacy import refuse_learning_buffers, refuse_sample_mixing
 
-log = logging.getLogger("dadfl.server")
-
 STATE_PREFIX = "dp/"
 RELEASES = "dp/releases"
 
@@ -40,6 +38,8 @@ def split_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor]
 
 
 class ServerPrivacy:
+    """The run's budget, the coordinator's noise and the count of releases (see the module doc)."""
+
     def __init__(self, config: DPConfig, batch_size: int, steps: int, model: torch.nn.Module, example_inputs):
         refuse_sample_mixing(model)  # what every site would refuse, refused before any site joins
         refuse_learning_buffers(model, example_inputs)
@@ -65,8 +65,7 @@ class ServerPrivacy:
         return f"one more step would take ε above {self.budget.stop_epsilon:g} (ε = {self.epsilon():.3g} after {self.releases} releases)"
 
     def release(
-        self, layout: Layout, clean_update: dict[str, torch.Tensor], num_samples: int, sites: int, step: int,
-        attempt: int, codec: int,
+        self, layout: Layout, clean_update: dict[str, torch.Tensor], num_samples: int, sites: int, step: int, codec: int,
     ) -> tuple[Payload, Payload, dict[str, torch.Tensor]]:
         """(message, as sites receive it, the update it carries): the noisy dense update
         replacing the strategy's message; counted as one release."""
