@@ -1,5 +1,6 @@
 """Real links: coordinator and sites as processes in their own network namespaces, each
-site behind a veth link shaped with ``tc tbf``, talking real gRPC.
+site behind a veth link shaped with ``tc tbf``, talking real gRPC; on the wide-area links a
+user-space relay in each site's namespace adds the latency (``bench/delay_relay.py``).
 
 Topology (all created here and removed afterwards; names carry this process's id):
 the coordinator's namespace holds a bridge (10.213.0.1/24); site i's namespace holds
@@ -8,9 +9,15 @@ qdisc on the site's end shapes its uplink, one on the bridge port its downlink, 
 the same rate. Each strategy runs ``steps`` steps of the runtime's coordinator and site
 processes (``python -m dadfl.server`` / ``dadfl.client``, plain text) on the built-in
 digits MLP with hidden 1024 (1.13M parameters), first on unshaped links, then at each
-rate.
+rate. The links with a round-trip time (20 Mbit/s with 40 ms, 100 Mbit/s with 10 ms, as a
+hospital's wide-area link) put a relay between each site and the coordinator that holds
+every byte for half the RTT in each direction; ``tc`` here has no ``netem``.
 
-Per strategy and rate we report the measured seconds per step (median over steps after
+The emulator's own accuracy is measured on every link and reported: the RTT a 64-byte TCP
+echo sees through the relay minus the one it sees directly (against the configured RTT), and
+the goodput of a bulk transfer (against the configured rate; TCP/IP headers take ~3–5%).
+
+Per strategy and link we report the measured seconds per step (median over steps after
 the first) beside the **physical bound**
 
     bound = compute + max_site(wire bytes up + down) / rate + phases · RTT
@@ -30,6 +37,7 @@ missing and writes ``{"skipped": reason}``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -50,7 +58,16 @@ from .matrix import SGD
 SITES = 4
 STEPS = 6
 PORT = 50061
-RATES = {"10 Mbit/s": 10_000_000, "100 Mbit/s": 100_000_000}
+RELAY_PORT = 50071
+# name: (rate in bit/s, round-trip time the relay adds in seconds)
+LINKS = {
+    "10 Mbit/s": (10_000_000, 0.0),
+    "100 Mbit/s": (100_000_000, 0.0),
+    "20 Mbit/s, 40 ms RTT": (20_000_000, 0.040),
+    "100 Mbit/s, 10 ms RTT": (100_000_000, 0.010),
+}
+BULK_SECONDS = 2.0  # bulk transfer that measures goodput: this long at the configured rate
+REPO = Path(__file__).resolve().parent.parent
 SUBNET = "10.213.0"
 COORDINATOR_IP = f"{SUBNET}.1"
 WORKLOAD, OPTIONS = "digits-mlp", {"hidden": 1024, "seed": 0}
@@ -149,41 +166,101 @@ class Network:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-ECHO_SERVER = """
+PROBE_SERVER = """
 import socket, sys
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1); print("ready", flush=True)
-c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-while (b := c.recv(64)):
-    c.sendall(b)
+s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(4); print("ready", flush=True)
+while True:
+    c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    mode = c.recv(1)
+    if mode == b"e":  # echo 64-byte messages until the client closes
+        while (b := c.recv(64)):
+            c.sendall(b)
+    elif mode == b"s":  # sink: an 8-byte length, that many bytes, then one byte back
+        header = b""
+        while len(header) < 8:
+            header += c.recv(8 - len(header))
+        left = int.from_bytes(header, "big")
+        while left > 0:
+            left -= len(c.recv(min(left, 1 << 20)))
+        c.sendall(b"k")
+    c.close()
+"""
+
+PROBE_CLIENT = """
+import socket, statistics, sys, time
+host, port, rounds, bulk = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+s = socket.create_connection((host, port)); s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+s.sendall(b"e"); times = []
+for _ in range(rounds):
+    t = time.perf_counter(); s.sendall(b"x" * 64); got = 0
+    while got < 64: got += len(s.recv(64))
+    times.append(time.perf_counter() - t)
+s.close(); seconds = 0.0
+if bulk:
+    s = socket.create_connection((host, port)); s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    s.sendall(b"s"); block = bytes(1 << 16); t = time.perf_counter()
+    s.sendall(bulk.to_bytes(8, "big"))
+    for start in range(0, bulk, len(block)):
+        s.sendall(block[:min(len(block), bulk - start)])
+    s.recv(1); seconds = time.perf_counter() - t; s.close()
+print(statistics.median(times), seconds)
 """
 
 
-def measure_rtt(network: Network, port: int, rounds: int = 50) -> float:
-    """Median TCP round trip (64 bytes) from site 0 to the coordinator, in seconds."""
-    server = network.run_in(network.coordinator, [sys.executable, "-c", ECHO_SERVER, COORDINATOR_IP, str(port)],
+@contextlib.contextmanager
+def relays(network: "Network", target_port: int, added_rtt: float):
+    """The address sites use to reach the coordinator's ``target_port``: directly, or through a
+    delay relay in each site's namespace (half of ``added_rtt`` each way) while in the block."""
+    if not added_rtt:
+        yield f"{COORDINATOR_IP}:{target_port}"
+        return
+    command = [sys.executable, "-m", "bench.delay_relay", "--listen", f"127.0.0.1:{RELAY_PORT}",
+               "--target", f"{COORDINATOR_IP}:{target_port}", "--delay-ms", str(added_rtt * 1e3 / 2)]
+    processes = [network.run_in(ns, command, cwd=REPO, stdout=subprocess.PIPE, text=True) for ns in network.sites]
+    try:
+        for process in processes:
+            if process.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"the delay relay did not start (exit {process.wait()})")
+        yield f"127.0.0.1:{RELAY_PORT}"
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+
+
+def probe_link(network: Network, port: int, address: str, bulk_bytes: int = 0, rounds: int = 50) -> tuple[float, float]:
+    """From site 0 through ``address`` to a probe server on the coordinator's ``port``: the median
+    64-byte TCP round trip and the seconds a ``bulk_bytes`` transfer took until acknowledged."""
+    server = network.run_in(network.coordinator, [sys.executable, "-c", PROBE_SERVER, COORDINATOR_IP, str(port)],
                             stdout=subprocess.PIPE, text=True)
-    client_code = (
-        "import socket, sys, time, statistics\n"
-        f"s = socket.create_connection(('{COORDINATOR_IP}', {port})); s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)\n"
-        "times = []\n"
-        f"for _ in range({rounds}):\n"
-        "    t = time.perf_counter(); s.sendall(b'x' * 64); got = 0\n"
-        "    while got < 64: got += len(s.recv(64))\n"
-        "    times.append(time.perf_counter() - t)\n"
-        "print(statistics.median(times))\n"
-    )
     try:
         server.stdout.readline()  # "ready"
-        result = subprocess.run(["ip", "netns", "exec", network.sites[0], sys.executable, "-c", client_code],
-                                capture_output=True, text=True, check=True, timeout=60)
-        return float(result.stdout.strip())
+        host, _, target = address.rpartition(":")
+        result = subprocess.run(
+            ["ip", "netns", "exec", network.sites[0], sys.executable, "-c", PROBE_CLIENT, host, target, str(rounds),
+             str(bulk_bytes)], capture_output=True, text=True, check=True, timeout=120)
+        rtt, seconds = map(float, result.stdout.split())
+        return rtt, seconds
     finally:
         server.kill()
         server.wait()
 
 
-def run_strategy(network: Network, spec: StrategySpec, steps: int, port: int) -> list[dict]:
+def measure_link(network: Network, port: int, rate: int | None, added_rtt: float) -> dict:
+    """RTT and goodput as a site sees them on the current shaping, and the relay's accuracy."""
+    bulk = int(rate * BULK_SECONDS / 8) if rate else 0
+    direct_rtt, _ = probe_link(network, port, f"{COORDINATOR_IP}:{port}")
+    with relays(network, port, added_rtt) as address:
+        rtt, seconds = probe_link(network, port, address, bulk)
+    measured = {"bits_per_second": rate, "added_rtt": added_rtt, "rtt": rtt, "added_rtt_measured": rtt - direct_rtt}
+    if bulk:
+        # the transfer's last byte arrives one one-way delay after it left, and the ack takes another
+        measured["goodput"] = 8 * bulk / max(seconds - rtt, 1e-9)
+    return measured
+
+
+def run_strategy(network: Network, spec: StrategySpec, steps: int, port: int, site_address: str) -> list[dict]:
     """One federation: coordinator and sites in their namespaces; the coordinator's records."""
     config = SimulationConfig(
         workload=WORKLOAD, workload_options=OPTIONS, sites=len(network.sites), partition="iid", batch_size=32,
@@ -192,7 +269,7 @@ def run_strategy(network: Network, spec: StrategySpec, steps: int, port: int) ->
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory(prefix="dadfl-links-") as tmp:
         folder = Path(tmp)
-        server_toml, site_tomls = simulation_configs(config, spec, folder, f"{COORDINATOR_IP}:{port}")
+        server_toml, site_tomls = simulation_configs(config, spec, folder, f"{COORDINATOR_IP}:{port}", site_address)
         logs = {name: (folder / f"{name}.log").open("w") for name in ["coordinator", *(t.stem for t in site_tomls)]}
         processes = {
             "coordinator": network.run_in(
@@ -258,27 +335,29 @@ def measure(steps: int = STEPS, log=print) -> dict:
     }
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # still remove the namespaces when killed
     with Network(SITES) as network:
-        for rate_name, rate in [("unshaped", None), *RATES.items()]:
+        for link_name, (rate, added_rtt) in [("unshaped", (None, 0.0)), *LINKS.items()]:
             network.shape(rate)
-            rtt = measure_rtt(network, PORT + 1)
-            results["rates"][rate_name] = {"bits_per_second": rate, "rtt": rtt}
-            for spec in STRATEGIES:
-                if spec.display in results["failed"]:
-                    continue
-                try:
-                    summary = step_summary(run_strategy(network, spec, steps, PORT))
-                except RuntimeError as exc:  # recorded and reported; the other strategies still run
-                    results["failed"][spec.display] = str(exc).splitlines()[0] + " " + last_error(str(exc))
-                    log(f"{rate_name:>10} {spec.display:>20}: FAILED {results['failed'][spec.display]}")
-                    continue
-                results["strategies"].setdefault(spec.display, {})[rate_name] = summary
-                log(f"{rate_name:>10} {spec.display:>20}: {summary['seconds']:.3f} s/step, "
-                    f"{summary['wire_bytes_site'] / 1e3:.0f} KB per site on the wire")
+            results["rates"][link_name] = measure_link(network, PORT + 1, rate, added_rtt)
+            with relays(network, PORT, added_rtt) as site_address:
+                for spec in STRATEGIES:
+                    if spec.display in results["failed"]:
+                        continue
+                    try:
+                        summary = step_summary(run_strategy(network, spec, steps, PORT, site_address))
+                    except RuntimeError as exc:  # recorded and reported; the other strategies still run
+                        results["failed"][spec.display] = str(exc).splitlines()[0] + " " + last_error(str(exc))
+                        log(f"{link_name:>22} {spec.display:>20}: FAILED {results['failed'][spec.display]}")
+                        continue
+                    results["strategies"].setdefault(spec.display, {})[link_name] = summary
+                    log(f"{link_name:>22} {spec.display:>20}: {summary['seconds']:.3f} s/step, "
+                        f"{summary['wire_bytes_site'] / 1e3:.0f} KB per site on the wire")
     for label, runs in results["strategies"].items():
         compute = runs["unshaped"]["seconds"]
-        for rate_name, rate in RATES.items():
-            run = runs[rate_name]
-            run["bound"] = compute + 8 * run["wire_bytes_site"] / rate + run["phases"] * results["rates"][rate_name]["rtt"]
+        for link_name, run in runs.items():
+            if link_name == "unshaped":
+                continue
+            rate = LINKS[link_name][0]
+            run["bound"] = compute + 8 * run["wire_bytes_site"] / rate + run["phases"] * results["rates"][link_name]["rtt"]
             run["over_bound"] = run["seconds"] / run["bound"]
     return results
 

@@ -516,7 +516,7 @@ def write_report(
 
 
 def links_section(links: dict | None) -> list[str]:
-    lines = ["## Real links: namespaces, veth, tc tbf, real gRPC", ""]
+    lines = ["## Real links: namespaces, veth, tc tbf, a delay relay, real gRPC", ""]
     if links is None:
         return lines + ["Not run (`python -m bench.links`).", ""]
     if "skipped" in links:
@@ -534,6 +534,7 @@ def links_section(links: dict | None) -> list[str]:
         "(" + ", ".join(f"{name}: {1e3 * links['rates'][name]['rtt']:.2f} ms" for name in links["rates"]) + ").",
         "",
     ]
+    lines += emulator_accuracy(links)
     header = ["strategy", "round trips", "wire bytes / site / step", "compute (s)"]
     for rate in rates:
         header += [f"{rate}: s / step", "bound", "× bound"]
@@ -563,6 +564,30 @@ def links_section(links: dict | None) -> list[str]:
             "",
         ]
     return lines
+
+
+def emulator_accuracy(links: dict) -> list[str]:
+    """How close each emulated link came to its configuration (``bench/links.py`` measures it)."""
+    shaped = {name: link for name, link in links["rates"].items() if link.get("bits_per_second")}
+    if not shaped or "goodput" not in next(iter(shaped.values())):
+        return []
+    rows = []
+    for name, link in shaped.items():
+        added = link["added_rtt"]
+        rows.append([
+            name, f"{link['bits_per_second'] / 1e6:g} Mbit/s", f"{link['goodput'] / 1e6:.2f} Mbit/s",
+            f"{link['goodput'] / link['bits_per_second']:.3f}",
+            f"{1e3 * added:g} ms" if added else "–", f"{1e3 * link['added_rtt_measured']:.2f} ms",
+            f"{link['added_rtt_measured'] / added:.3f}" if added else "–",
+        ])
+    return [
+        "The links' own accuracy: *goodput* is a bulk TCP transfer of 2 s of traffic at the configured rate",
+        "(payload bits over the time to its acknowledgement, minus one round trip; TCP/IP headers take ~3–5% of the",
+        "rate); *added RTT* is a 64-byte TCP echo through the delay relay minus the same echo sent directly.",
+        "",
+        *table(["link", "configured rate", "goodput", "goodput / rate", "configured added RTT", "measured added RTT",
+                "measured / configured"], rows),
+    ]
 
 
 def steps_within(run: dict, tolerance: float) -> int:

@@ -65,8 +65,10 @@ def dp_sample_rate(config: SimulationConfig) -> float:
     return max(site_sample_rate(config.batch_size, len(index)) for index in indices)
 
 
-def simulation_configs(config: SimulationConfig, spec: StrategySpec, folder: Path, address: str) -> tuple[Path, list[Path]]:
-    """The server config and one config per site, enrolled, in ``folder``."""
+def simulation_configs(config: SimulationConfig, spec: StrategySpec, folder: Path, address: str,
+                       site_address: str | None = None) -> tuple[Path, list[Path]]:
+    """The server config and one config per site, enrolled, in ``folder``. Sites connect to
+    ``site_address`` when given (a relay in front of the coordinator), else to ``address``."""
     server = write_toml(
         folder / "server.toml",
         {
@@ -95,7 +97,7 @@ def simulation_configs(config: SimulationConfig, spec: StrategySpec, folder: Pat
                     "threads": config.threads,
                     "workload_path": [str(p.resolve()) for p in config.workload_path],
                     # sites start with the coordinator and retry until it listens
-                    "connect": {"server": address, "backoff_initial_s": 0.2, "backoff_max_s": 1.0, "max_attempts": 100},
+                    "connect": {"server": site_address or address, "backoff_initial_s": 0.2, "backoff_max_s": 1.0, "max_attempts": 100},
                     "data": {
                         "source": "partition", "scheme": config.partition, "site_index": index,
                         "num_sites": config.sites, "alpha": config.alpha, "seed": config.seed,
