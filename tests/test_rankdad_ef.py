@@ -7,6 +7,7 @@ import torch
 from dadfl.simulation import SimulationConfig, StrategySpec, simulate
 from dadfl.metrics import MetricsWriter, read_metrics
 from dadfl.strategies import Layout, apply_update, local_step, make_strategy, reference_update
+from dadfl.strategies.base import Payload
 from dadfl.strategies.step import exchange
 
 from model_zoo import build, per_sample_cross_entropy, site_batches
@@ -150,6 +151,31 @@ def test_state_round_trip_continues_bit_identically(tmp_path, warm_start):
         assert original[0].tensors.keys() == restored[0].tensors.keys()
         for key, tensor in original[0].tensors.items():
             assert torch.equal(tensor, restored[0].tensors[key]), (step, key)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_sites_start_the_next_step_from_the_server_q(shared):
+    """With ``shared_warm_start`` every site keeps the re-reduced Q̂ that came down (the same
+    at every site) as its next start; without it each keeps its own, different, Q. A Q̂
+    that is not finite or not of rank r' leaves the site's own start in place."""
+    kind = "transformer"
+    model, layout = setup(kind)
+    strategy = make_strategy("rankdad", rank=2, raw_input="low_rank", shared_warm_start=shared)
+    sites, server = [strategy.site(layout, model) for _ in SIZES], strategy.server(layout, model)
+    _, messages, _ = one_step(strategy, model, layout, sites, server, 0, kind)
+    matrices = sites[0].plan.matrices
+    assert {t.layer is None for t in matrices} == {True, False}, "layers and uncovered matrices both"
+    for target in matrices:
+        sent = target.read(messages[-1])[1]
+        starts = [site.state.warm[target.key] for site in sites]
+        assert all(torch.equal(start, sent) for start in starts) == shared, target.key
+    if not shared:
+        return
+    site, own = sites[0], {key: q.clone() for key, q in sites[0].state.warm.items()}
+    for corrupt in (lambda q: torch.full_like(q, float("nan")), lambda q: torch.cat([q, q], dim=-1)):
+        tensors = {key: corrupt(t) if key.endswith(":Q") else t for key, t in messages[-1].tensors.items()}
+        site.receive(Payload(messages[-1].step, messages[-1].phase, messages[-1].num_samples, tensors))
+        assert all(torch.equal(site.state.warm[key], q) for key, q in own.items())
 
 
 def test_state_from_another_model_is_refused():
