@@ -10,7 +10,7 @@ import math
 import os
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import matplotlib
 
@@ -308,9 +308,11 @@ def summary_lines(results: dict, settings: list[dict], links: dict | None, peers
 
 
 def write_report(
-    results: dict, docs: Path, command: str, wall_minutes: float | None, links: dict | None = None, peers: dict | None = None
+    results: dict, docs: Path, command: str, wall_minutes: float | None, links: dict | None = None,
+    peers: dict | None = None, left_out: Sequence[str] = (),
 ) -> Path:
-    """Write ``docs/benchmarks.md`` and ``docs/img/bench_*.png``; return the markdown path."""
+    """Write ``docs/benchmarks.md`` and ``docs/img/bench_*.png``; return the markdown path.
+    ``left_out``: settings of the preset this run did not measure, named in the summary."""
     images = docs / "img"
     images.mkdir(parents=True, exist_ok=True)
     settings = [s for s in results["settings"] if any(g["setting"] == s["key"] for g in results["groups"].values())]
@@ -327,6 +329,13 @@ def write_report(
         "",
     ]
     lines += summary_lines(results, settings, links, peers)
+    if left_out:
+        lines += [
+            f"Left out of this run (`--workloads`), so not measured with this code and not counted above: "
+            f"{', '.join(left_out)}. No older figures are mixed into this report; earlier measurements, from older "
+            "code, are in the git history of this file.",
+            "",
+        ]
     lines += [
         f"{results['cells']} runs, {results['cell_seconds'] / 60:.0f} process-minutes in all (one torch thread per"
         " process, on a machine of 2 CPU cores shared with other work)"
@@ -378,7 +387,8 @@ def write_report(
         "rank-dAD runs with `raw_input=\"low_rank\"` (the raw-input layer and the uncovered matrices also travel as",
         "rank-r factors, as every matrix does under PowerSGD; the default `\"dense\"` keeps them dense gradients — its",
         "cost is in the bound table), with its defaults: error feedback at the sites and on the server's re-reduction",
-        "to rank r, 2 warm-started power-iteration passes (rows labelled *no EF* turn error feedback off); PowerSGD",
+        "to rank r, 2 power-iteration passes started from the Q̂ of the last downlink (the same at every site; rows",
+        "labelled *no EF* turn error feedback off); PowerSGD",
         "runs with error feedback and warm start from step 0 (`start_iter=0`: dense warm-up steps would cost it",
         "dSGD's bytes).",
         "",

@@ -82,8 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     results = analyse(out, settings, size_sweep=name == "full")
     json_path, csv_path = write_results(results, out)
     command = "python -m bench.run" + {"smoke": "", "full": " --full --jobs 2"}.get(name, f" --preset {name} --jobs 2")
+    command += "".join(f" --{flag} {value}" for flag, value in (("workloads", args.workloads), ("seeds", args.seeds)) if value)
+    left_out = [s.key for s in preset if s.key not in {chosen.key for chosen in settings}]
     minutes = None if args.report_only else (time.perf_counter() - started) / 60
-    report = write_report(results, docs, command, minutes, links=load(out / LINKS), peers=load(out / PEERS))
+    report = write_report(
+        results, docs, command, minutes, links=load(out / LINKS), peers=load(out / PEERS), left_out=left_out
+    )
     print(f"results: {json_path}, {csv_path}; report: {report}")
     if results["failed"]:
         print(f"{len(results['failed'])} cell(s) failed: see {report}", file=sys.stderr)

@@ -53,6 +53,9 @@ def test_every_strategy_of_the_cell_finished_with_sane_curves(suite):
     assert len(rows) == len(stats)
     report = (out / "benchmarks.md").read_text()
     assert "Target (a)" in report and "Target (b)" in report
+    left_out = next(line for line in report.splitlines() if line.startswith("Left out of this run"))
+    assert all(key in left_out for key in ("digits-cnn", "char-gru", "char-transformer")), left_out
+    assert "--workloads digits-mlp" in report, "the command shown reproduces this run"
     assert (out / "img" / "bench_digits-mlp_metric_vs_bytes.png").stat().st_size > 0
 
 
