@@ -7,9 +7,11 @@ the coordinator's namespace holds a bridge (10.213.0.1/24); site i's namespace h
 one end of a veth pair (10.213.0.<10+i>), the other end is a bridge port. A ``tbf``
 qdisc on the site's end shapes its uplink, one on the bridge port its downlink, both to
 the same rate. Each strategy runs ``steps`` steps of the runtime's coordinator and site
-processes (``python -m dadfl.server`` / ``dadfl.client``, plain text) on the built-in
-digits MLP with hidden 1024 (1.13M parameters), first on unshaped links, then at each
-rate. The links with a round-trip time (20 Mbit/s with 40 ms, 100 Mbit/s with 10 ms, as a
+processes (``python -m dadfl.server`` / ``dadfl.client``, plain text) on the matrix's
+``digits-mlp-wide`` setting (digits MLP, hidden 1024, 1.13M parameters; its optimizer and
+batch size), first on unshaped links, then on each link. The strategies are the matrix's,
+under the same labels, so the report can put the matrix's steps to dSGD's target (the
+runtime is bit-identical to the simulation) beside each link's measured seconds per step. The links with a round-trip time (20 Mbit/s with 40 ms, 100 Mbit/s with 10 ms, as a
 hospital's wide-area link) put a relay between each site and the coordinator that holds
 every byte for half the RTT in each direction; ``tc`` here has no ``netem``.
 
@@ -53,7 +55,7 @@ from dadfl.metrics import read_metrics
 from dadfl.server.processes import simulation_configs
 from dadfl.simulation import SimulationConfig, StrategySpec
 
-from .matrix import SGD
+from .matrix import RANKDAD_EF, strategy_specs
 
 SITES = 4
 STEPS = 6
@@ -70,18 +72,9 @@ BULK_SECONDS = 2.0  # bulk transfer that measures goodput: this long at the conf
 REPO = Path(__file__).resolve().parent.parent
 SUBNET = "10.213.0"
 COORDINATOR_IP = f"{SUBNET}.1"
-WORKLOAD, OPTIONS = "digits-mlp", {"hidden": 1024, "seed": 0}
-STRATEGIES = [
-    StrategySpec(name="dsgd"),
-    StrategySpec(name="dad"),
-    StrategySpec(name="auto"),
-    StrategySpec(name="edad"),
-    StrategySpec(name="rankdad", options={"rank": 4, "raw_input": "low_rank", "reduce_on_server": False},
-                 label="rankdad r=4"),
-    StrategySpec(name="rankdad", options={"rank": 4, "raw_input": "low_rank", "reduce_on_server": True},
-                 label="rankdad r=4 reduced"),
-    StrategySpec(name="powersgd", options={"rank": 4, "start_iter": 0}, label="powersgd r=4"),
-]
+SETTING = next(setting for setting in RANKDAD_EF if setting.key == "digits-mlp-wide")
+WORKLOAD, OPTIONS = SETTING.workload, {**SETTING.options, "seed": 0}
+STRATEGIES = strategy_specs(feed_forward=True, ranks=(1, 2), exact=True, ablation=False)
 RUN_TIMEOUT_S = 300
 
 
@@ -263,8 +256,9 @@ def measure_link(network: Network, port: int, rate: int | None, added_rtt: float
 def run_strategy(network: Network, spec: StrategySpec, steps: int, port: int, site_address: str) -> list[dict]:
     """One federation: coordinator and sites in their namespaces; the coordinator's records."""
     config = SimulationConfig(
-        workload=WORKLOAD, workload_options=OPTIONS, sites=len(network.sites), partition="iid", batch_size=32,
-        steps=steps, eval_every=steps, seed=0, device="cpu", optimizer=SGD, strategies=[spec],
+        workload=WORKLOAD, workload_options=OPTIONS, sites=len(network.sites), partition="iid",
+        batch_size=SETTING.batch_size, steps=steps, eval_every=steps, seed=0, device="cpu", optimizer=SETTING.optimizer,
+        strategies=[spec],
     )
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory(prefix="dadfl-links-") as tmp:
@@ -331,7 +325,7 @@ def measure(steps: int = STEPS, log=print) -> dict:
         log(f"real links skipped: {reason}")
         return {"skipped": reason}
     results = {
-        "workload": WORKLOAD, "options": OPTIONS, "sites": SITES, "steps": steps, "rates": {}, "strategies": {}, "failed": {},
+        "setting": SETTING.key, "workload": WORKLOAD, "options": OPTIONS, "sites": SITES, "steps": steps, "rates": {}, "strategies": {}, "failed": {},
     }
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # still remove the namespaces when killed
     with Network(SITES) as network:

@@ -519,6 +519,7 @@ def write_report(
         lines += ["## Failed cells", "", "These runs raised; their tracebacks are in `runs/<cell>.failed`:", ""]
         lines += [f"- `{name}`" for name in results["failed"]] + [""]
     lines += links_section(links)
+    lines += time_to_target_section(links, results)
     lines += peers_section(peers, images, docs)
     path = docs / "benchmarks.md"
     path.write_text("\n".join(lines))
@@ -574,6 +575,61 @@ def links_section(links: dict | None) -> list[str]:
             "",
         ]
     return lines
+
+
+EXACT = ("dad", "auto", "edad")  # same update as dSGD to float rounding: dSGD's steps to target
+
+
+def time_to_target_section(links: dict | None, results: dict) -> list[str]:
+    """Seconds to dSGD's target on each link: the matrix's steps to target for the links' setting
+    (4 sites, IID, seed mean) times the seconds per step measured on that link."""
+    if not links or "skipped" in links or "setting" not in links:
+        return []
+    group = next((g for g in results["groups"].values()
+                  if g["setting"] == links["setting"] and g["sites"] == links["sites"] and g["partition"] == "iid"), None)
+    lines = ["## Time to dSGD's target on each link", ""]
+    if group is None:
+        return lines + [f"Needs the matrix's {links['setting']} group ({links['sites']} sites, IID) in the same results "
+                        "folder; not run here.", ""]
+    strategies = group["strategies"]
+
+    def steps_to_target(label: str, name: str) -> int | None:
+        own = strategies.get(label) or (strategies["dsgd"] if name in EXACT else None)
+        return own["steps_to_target"] if own else None
+
+    links_names = [name for name in links["rates"] if name != "unshaped"]
+    lines += [
+        f"Seconds to reach dSGD's final metric ({percent(group['target'])}%) on {links['setting']}, {links['sites']} sites, IID:"
+        " the matrix's steps to target (first evaluation, every 10 steps, where the seed-mean curve reaches it; dad,"
+        " auto and edad take dSGD's, their updates being the same to float rounding) times the seconds per step",
+        "measured on that link above. *bound*: the same steps times the link's physical bound per step.",
+        "",
+    ]
+    header = ["strategy", "steps to target"] + [f"{name}: s (bound)" for name in links_names]
+    rows, seconds = [], {}
+    for label, runs in links["strategies"].items():
+        name = label.split()[0]
+        steps = steps_to_target(label, name)
+        row = [label, str(steps) if steps else "not reached"]
+        for link in links_names:
+            run = runs.get(link)
+            if steps and run:
+                seconds[label, link] = steps * run["seconds"]
+                row.append(f"{seconds[label, link]:.1f} ({steps * run['bound']:.1f})")
+            else:
+                row.append("–")
+        rows.append(row)
+    lines += table(header, rows)
+    for link in links_names:
+        rank = {label: t for (label, l), t in seconds.items() if l == link and label.startswith("rankdad")}
+        power = {label: t for (label, l), t in seconds.items() if l == link and label.startswith("powersgd")}
+        dsgd = seconds.get(("dsgd", link))
+        if rank and power and dsgd:
+            best_rank, best_power = min(rank, key=rank.get), min(power, key=power.get)
+            lines.append(f"- {link}: fastest rank-dAD ({best_rank}) {rank[best_rank]:.1f} s; fastest PowerSGD ({best_power})"
+                         f" {power[best_power]:.1f} s, {power[best_power] / rank[best_rank]:.2f}× rank-dAD's time; dSGD"
+                         f" {dsgd:.1f} s, {dsgd / rank[best_rank]:.1f}× rank-dAD's time.")
+    return lines + [""]
 
 
 def emulator_accuracy(links: dict) -> list[str]:
