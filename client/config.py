@@ -111,6 +111,24 @@ class RunLimits(StrictModel):
     max_payload_bytes: int = Field(1 << 30, ge=1024, description="largest payload the site accepts from the server")
 
 
+class PrivacyPolicy(StrictModel):
+    """``[privacy]``: the least differential privacy this site trains with. The coordinator's
+    run config states σ, δ and the ε it will not pass; a run below this floor is refused
+    before any workload code is imported (the site recomputes ε itself)."""
+
+    require_dp: bool = Field(False, description="refuse runs without [dp] at the coordinator")
+    min_noise_multiplier: float | None = Field(None, gt=0, le=1000, allow_inf_nan=False, description="refuse σ below this")
+    max_epsilon: float | None = Field(None, gt=0, le=1000, allow_inf_nan=False, description="refuse runs whose ε (RDP accountant) exceeds this")
+    max_delta: float | None = Field(None, gt=0, lt=1, allow_inf_nan=False, description="refuse δ above this")
+
+    @model_validator(mode="after")
+    def _floor_needs_dp(self) -> "PrivacyPolicy":
+        floors = [name for name in ("min_noise_multiplier", "max_epsilon", "max_delta") if getattr(self, name) is not None]
+        if floors and not self.require_dp:
+            raise ValueError(f"{', '.join(floors)} would not stop a run without differential privacy: set require_dp = true")
+        return self
+
+
 class SiteConfig(StrictModel):
     site_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
     token: str = Field(min_length=16)
@@ -133,6 +151,7 @@ class SiteConfig(StrictModel):
         "coordinator names is refused before it is imported",
     )
     limits: RunLimits = RunLimits()
+    privacy: PrivacyPolicy = PrivacyPolicy()
 
     @field_validator("device")
     @classmethod

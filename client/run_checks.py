@@ -6,6 +6,8 @@ its own config allows (``allowed_workloads``), decided from the name alone, befo
 import. Every other field is bounded: options are small JSON objects of typed values,
 batch size, steps and payload sizes stay under the site's ``limits``, and the model's
 size is measured on torch's meta device before a single weight is allocated.
+Differential privacy is held to the site's own floor (``[privacy]``): the public
+parameters of the run's [dp] are checked, and its ε recomputed, here too.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from dadfl.sanitize import printable
 from dadfl.strategies import STRATEGIES, Strategy, make_strategy
 from dadfl.workloads import BUILTIN, Workload, load_workload
 
-from .config import WORKLOAD_SPEC, RunLimits, SiteConfig
+from .config import WORKLOAD_SPEC, PrivacyPolicy, RunLimits, SiteConfig
 
 MAX_OPTIONS_CHARS = 64 << 10  # one JSON field of the run config
 MAX_OPTIONS_DEPTH = 4  # nesting of option values (a JSON bomb nests thousands deep)
@@ -99,7 +101,34 @@ def check_run_config(config: cpb.RunConfig, site: SiteConfig, max_chunk_bytes: i
             raise RunRefused(f"the coordinator's dp section is not valid: {validation_summary(exc)}") from None
         except ValueError as exc:
             raise RunRefused(f"the coordinator asks for differential privacy with a strategy that cannot give it: {exc}") from None
+    check_privacy_floor(privacy, config.steps, site.privacy)
     return CheckedRun(spec, workload_options, strategy, optimizer, privacy)
+
+
+def check_privacy_floor(privacy: SitePrivacy | None, steps: int, policy: PrivacyPolicy) -> None:
+    """Refuse a run below the site's ``[privacy]`` floor, naming the setting and both values."""
+    if privacy is None:
+        if policy.require_dp:
+            raise RunRefused("the coordinator's run has no differential privacy ([dp]), and privacy.require_dp = true in the site config")
+        return
+    if policy.min_noise_multiplier is not None and privacy.noise_multiplier < policy.min_noise_multiplier:
+        raise RunRefused(
+            f"the coordinator's noise multiplier σ = {privacy.noise_multiplier:.4g} is below privacy.min_noise_multiplier = "
+            f"{policy.min_noise_multiplier:g} in the site config"
+        )
+    if policy.max_delta is not None and privacy.delta > policy.max_delta:
+        raise RunRefused(f"the coordinator's δ = {privacy.delta:g} is above privacy.max_delta = {policy.max_delta:g} in the site config")
+    if policy.max_epsilon is not None:
+        try:
+            run_epsilon = privacy.run_epsilon(steps)
+        except ImportError:
+            raise RunRefused("privacy.max_epsilon needs the accountant to check the run: pip install 'dadfl[dp]'") from None
+        if not run_epsilon <= policy.max_epsilon:  # NaN too
+            raise RunRefused(
+                f"the coordinator's run reaches ε = {run_epsilon:.4g} (σ = {privacy.noise_multiplier:.4g}, q = "
+                f"{privacy.max_sample_rate:.4g}, {steps} steps, δ = {privacy.delta:g}; the coordinator states {privacy.epsilon:.4g}), above privacy.max_epsilon = "
+                f"{policy.max_epsilon:g} in the site config"
+            )
 
 
 def bound(field: str, value: int, lowest: int, highest: int, site_field: str | None) -> None:

@@ -10,10 +10,9 @@ One step, in order:
 2. the strategy carries the clipped sum to the coordinator exactly (its own factors,
    checks and bounds unchanged) and the coordinator decodes it: S = Σ_i c_i g_i;
 3. the coordinator adds N(0, σ²C²) to every parameter's sum from its **own generator**
-   (seeded from the operating system, never sent, never logged, kept in its checkpoint
-   only so that a resumed run draws what the uninterrupted one would) and divides by the
-   *expected* batch B = Σ_s q_s n_s, not the drawn one, whose size is itself private:
-   update = (S + z) / B;
+   (seeded from the operating system at every start, never sent, never logged, never
+   saved) and divides by the *expected* batch B = Σ_s q_s n_s, not the drawn one, whose
+   size is itself private: update = (S + z) / B;
 4. that dense noisy update is the whole downlink, for every strategy: sites never see
    another site's factors, the noise, or the drawn batch size.
 
@@ -31,6 +30,12 @@ memory that releases a record's residual again at later steps, have a per-record
 sensitivity that C does not bound — so they are refused with [dp] rather than reported
 with an ε that does not hold. (PowerSGD's first phase would also send sites an unnoised
 aggregate.)
+
+**Restarts: privacy over reproducibility.** A restarted coordinator draws fresh noise and
+counts every replayed step as a new release (``server/privacy.py`` keeps the count on
+disk before each release goes out). Replaying a step with the noise of its first release
+would let a site that saw both subtract them when the participants differ; so under [dp]
+a resumed run is not bit-identical to an uninterrupted one (without [dp] it still is).
 """
 
 from __future__ import annotations
@@ -53,7 +58,6 @@ from .config import StrictModel
 log = logging.getLogger("dadfl.privacy")
 
 EXACT_STRATEGIES = ("dsgd", "dad", "auto", "edad")
-NOISE_STATE = "dp/noise_generator"
 
 
 class DPConfig(StrictModel):
@@ -83,10 +87,24 @@ class DPConfig(StrictModel):
 
 
 class SitePrivacy(StrictModel):
-    """What a site needs of [dp], sent in the run config (``RunConfig.dp``) and checked there."""
+    """The public half of [dp], sent in the run config (``RunConfig.dp``) and checked there:
+    what a site needs to clip and sample, and what it needs to check the run against its own
+    privacy floor (σ and δ are public in DP; only the noise draws are secret)."""
 
     max_grad_norm: float = Field(gt=0, le=1e6, allow_inf_nan=False)
     max_sample_rate: float = Field(gt=0, le=1, allow_inf_nan=False)
+    noise_multiplier: float = Field(gt=0, le=1000, allow_inf_nan=False)
+    delta: float = Field(gt=0, lt=1, allow_inf_nan=False)
+    epsilon: float = Field(gt=0, allow_inf_nan=False, description="the most ε the coordinator spends: it stops before passing it")
+    accountant: Literal["rdp", "prv"]
+
+    def run_epsilon(self, steps: int) -> float:
+        """ε after the run's ``steps`` as this site computes it, not the coordinator's
+        ``epsilon``: the RDP accountant for (q, σ, steps, δ). RDP whatever the run's
+        accountant: it never states less than PRV, and its cost does not grow with
+        ``steps``, which the coordinator chooses (PRV's memory does). A coordinator that
+        stops earlier at a target ε spends less; the site does not count on it."""
+        return epsilon(self.noise_multiplier, self.max_sample_rate, steps, self.delta, "rdp")
 
     def site_rate(self, batch_size: int, num_samples: int) -> float:
         """This site's Poisson rate; refused when it would exceed what the accountant assumes."""
@@ -189,9 +207,9 @@ class PrivacyBudget:
 class CoordinatorNoise:
     """The coordinator's Gaussian noise, from a generator nobody else holds.
 
-    ``seed`` None (the coordinator) draws the seed from the operating system; a
-    simulation may pass one so that a benchmark is reproducible. The generator's state
-    goes into the coordinator's checkpoint (``state_dict``) and nowhere else.
+    ``seed`` None (the coordinator) draws the seed from the operating system, anew at every
+    start, and the generator is never saved: a replayed step gets fresh noise (module doc).
+    A simulation may pass a seed so that a benchmark is reproducible.
     """
 
     def __init__(self, budget: PrivacyBudget, seed: int | None = None):
@@ -200,12 +218,6 @@ class CoordinatorNoise:
 
     def __repr__(self) -> str:  # never the generator's state
         return f"CoordinatorNoise(σ={self.budget.noise_multiplier:g}, C={self.budget.max_grad_norm:g})"
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {NOISE_STATE: self.generator.get_state()}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.generator.set_state(state[NOISE_STATE])
 
     def privatize(
         self, layout: Layout, update: dict[str, torch.Tensor], num_samples: int, expected: float, step: int

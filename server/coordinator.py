@@ -160,7 +160,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         if config.dp is not None:
             self.identity["dp"] = config.dp.model_dump()
             self.privacy = ServerPrivacy(
-                config.dp, config.training.batch_size, config.training.steps, self.replica.model, workload.example(),
+                config.dp, config.training.batch_size, config.training.steps, self.replica.model, workload.example(), self.run_dir,
             )
         resumed = checkpoint.resume(self.run_dir, self.replica, self.identity)
         if resumed and self.privacy is not None:

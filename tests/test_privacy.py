@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -256,21 +258,61 @@ def test_every_exact_strategy_releases_the_same_noisy_model(tmp_path):
     assert results["dad"][0]["bytes_down"] == results["dsgd"][0]["bytes_down"]  # the same dense downlink
 
 
-def test_the_coordinators_noise_has_the_stated_scale_and_resumes_from_its_state():
+def test_the_coordinators_noise_has_the_stated_scale_and_a_fresh_secret_seed():
     layout = Layout((), ("w",), ((400, 250),), ())
     budget = PrivacyBudget(2.0, 0.1, 1e-5, 0.5, "rdp", None)
     noise = CoordinatorNoise(budget)
-    state = noise.state_dict()
     first = noise.privatize(layout, {}, 0, expected=10.0, step=0).tensors["w:grad"]
     assert float(first.std()) == pytest.approx(2.0 * 0.5 / 10.0, rel=0.02) and abs(float(first.mean())) < 1e-3
-    again = CoordinatorNoise(budget)  # another secret seed
+    again = CoordinatorNoise(budget)  # another secret seed: a restarted coordinator
     assert not torch.equal(again.privatize(layout, {}, 0, 10.0, 0).tensors["w:grad"], first)
-    again.load_state_dict(state)  # a resumed coordinator
-    assert torch.equal(again.privatize(layout, {}, 0, 10.0, 0).tensors["w:grad"], first)
     clipped = {"w": torch.ones(400, 250)}
     noisy = CoordinatorNoise(budget, seed=1).privatize(layout, clipped, 4, 10.0, 0).tensors["w:grad"]
     assert float(noisy.mean()) == pytest.approx(0.4, abs=2e-3)  # (mean · N + z) / B
     assert "generator" not in repr(noise) and "state" not in repr(noise)
+
+
+def test_the_release_count_is_on_disk_before_a_release_and_never_resets(tmp_path):
+    """What a restarted coordinator finds in its run folder: the count of every release made
+    (checkpointed or not), fresh noise, and a refusal to start on a count it cannot trust."""
+    pytest.importorskip("opacus")
+    from dadfl.protos.codec import codec_id
+    from dadfl.server.privacy import RELEASES, RELEASES_FILE, ServerPrivacy
+
+    model, layout = torch.nn.Linear(4, 3, bias=False), Layout((), ("weight",), ((3, 4),), ())
+    config = DPConfig(noise_multiplier=1.0, max_sample_rate=0.1)
+
+    def start(steps: int = 3) -> ServerPrivacy:
+        return ServerPrivacy(config, 16, steps, model, torch.zeros(2, 4), tmp_path)
+
+    def release(privacy: ServerPrivacy) -> torch.Tensor:
+        return privacy.release(layout, {}, 0, 2, 0, codec_id("none"))[2]["weight"]
+
+    first = start()
+    assert json.loads(first.site_config()) == {
+        "max_grad_norm": 1.0, "max_sample_rate": 0.1, "noise_multiplier": 1.0, "delta": 1e-5,
+        "epsilon": epsilon(1.0, 0.1, 3, 1e-5), "accountant": "rdp",
+    }
+    update = release(first)
+    assert json.loads((tmp_path / RELEASES_FILE).read_text()) == {"releases": 1}  # before the caller could send it
+    restarted = start()  # no checkpoint was written: the release still counts
+    assert restarted.releases == 1 and not torch.equal(release(restarted), update)  # the replay gets new noise
+    release(restarted)
+    assert restarted.releases == 3 and restarted.summary()["dp_epsilon"] == epsilon(1.0, 0.1, 3, 1e-5)
+    assert f"above {epsilon(1.0, 0.1, 3, 1e-5):.4g}" in restarted.stop_reason()  # ε after the planned 3 steps is the ceiling
+    with pytest.raises(RuntimeError, match="no further differentially private release"):
+        release(restarted)
+    with pytest.raises(ValueError, match="checkpoint counted 4 .* counts 3"):
+        restarted.load_state_dict({RELEASES: torch.tensor(4)})
+    restarted.load_state_dict({RELEASES: torch.tensor(2), "dp/noise_generator": torch.zeros(1)})  # an older checkpoint: behind the file
+    assert restarted.releases == 3
+    for corrupt in ("", "{\"releases\": -1}", "{\"releases\": 2.5}", "{\"releases\": true}", "[3]"):
+        (tmp_path / RELEASES_FILE).write_text(corrupt)
+        with pytest.raises(ValueError, match="does not hold a release count.*new run_dir"):
+            start()
+    (tmp_path / RELEASES_FILE).unlink()
+    with pytest.raises(ValueError, match="counted 3 .* is missing"):
+        start().load_state_dict({RELEASES: torch.tensor(3)})
 
 
 def test_a_noise_multiplier_that_passes_the_target_in_one_step_is_refused():

@@ -8,13 +8,14 @@ import json
 import pytest
 from pydantic import ValidationError
 
+from dadfl.client.config import PrivacyPolicy, SiteConfig
 from dadfl.client.run_checks import RunRefused, check_run_config
 from dadfl.metrics import MetricsWriter, read_metrics
 from dadfl.privacy import SitePrivacy, epsilon
 from dadfl.server import simulate_processes
 from dadfl.server.config import ServerConfig
 from dadfl.simulation import SimulationConfig, StrategySpec, simulate
-from test_site_trust import demo_site_config, run_config
+from test_site_trust import demo_site_config, error_lines, fake_coordinator, run_config, run_site_process, site_toml, write_marker_workload  # noqa: F401 (a fixture)
 
 
 def test_processes_draw_the_same_batches_and_account_the_same_epsilon(tmp_path):
@@ -37,13 +38,26 @@ def test_processes_draw_the_same_batches_and_account_the_same_epsilon(tmp_path):
     assert summary["dp_epsilon"] == reference["dp_epsilon"] > 0
 
 
+PUBLIC_DP = {"max_grad_norm": 1.0, "max_sample_rate": 0.1, "noise_multiplier": 1.0, "delta": 1e-5, "epsilon": 3.0, "accountant": "rdp"}
+
+
+def dp_text(**fields) -> str:
+    return json.dumps({**PUBLIC_DP, **fields})
+
+
 HOSTILE_DP = {
     "not JSON": ("{max_grad_norm", "not valid JSON"),
-    "negative norm": ('{"max_grad_norm": -1, "max_sample_rate": 0.1}', "max_grad_norm"),
-    "NaN rate": ('{"max_grad_norm": 1, "max_sample_rate": NaN}', "max_sample_rate"),
-    "rate above 1": ('{"max_grad_norm": 1, "max_sample_rate": 2}', "max_sample_rate"),
-    "extra key": ('{"max_grad_norm": 1, "max_sample_rate": 0.1, "noise_seed": 0}', "noise_seed: Extra inputs"),
-    "string norm": ('{"max_grad_norm": "1", "max_sample_rate": 0.1}', "max_grad_norm"),
+    "negative norm": (dp_text(max_grad_norm=-1), "max_grad_norm"),
+    "NaN rate": (dp_text().replace('"max_sample_rate": 0.1', '"max_sample_rate": NaN'), "max_sample_rate"),
+    "rate above 1": (dp_text(max_sample_rate=2), "max_sample_rate"),
+    "extra key": (dp_text(noise_seed=0), "noise_seed: Extra inputs"),
+    "string norm": (dp_text(max_grad_norm="1"), "max_grad_norm"),
+    "infinite sigma": (dp_text().replace('"noise_multiplier": 1.0', '"noise_multiplier": Infinity'), "noise_multiplier"),
+    "zero sigma": (dp_text(noise_multiplier=0), "noise_multiplier"),
+    "delta of 1": (dp_text(delta=1.0), "delta"),
+    "NaN epsilon": (dp_text().replace('"epsilon": 3.0', '"epsilon": NaN'), "epsilon"),
+    "unknown accountant": (dp_text(accountant="moments"), "accountant"),
+    "no sigma": (json.dumps({k: v for k, v in PUBLIC_DP.items() if k != "noise_multiplier"}), "noise_multiplier: Field required"),
 }
 
 
@@ -56,16 +70,60 @@ def test_hostile_dp_fields_of_a_run_config_are_refused(name):
 
 
 def test_a_site_refuses_dp_with_a_low_rank_strategy_and_accepts_a_valid_section():
-    valid = json.dumps({"max_grad_norm": 1.0, "max_sample_rate": 0.1})
     with pytest.raises(RunRefused, match="cannot give it.*rankdad"):
-        check_run_config(run_config(dp=valid, strategy="rankdad"), demo_site_config(), max_chunk_bytes=4 << 20)
-    checked = check_run_config(run_config(dp=valid), demo_site_config(), max_chunk_bytes=4 << 20)
-    assert checked.privacy == SitePrivacy(max_grad_norm=1.0, max_sample_rate=0.1)
+        check_run_config(run_config(dp=dp_text(), strategy="rankdad"), demo_site_config(), max_chunk_bytes=4 << 20)
+    checked = check_run_config(run_config(dp=dp_text()), demo_site_config(), max_chunk_bytes=4 << 20)
+    assert checked.privacy == SitePrivacy(**PUBLIC_DP)
     assert check_run_config(run_config(), demo_site_config(), max_chunk_bytes=4 << 20).privacy is None
 
 
+def floor_site(**policy) -> SiteConfig:
+    return demo_site_config().model_copy(update={"privacy": PrivacyPolicy(**policy)})
+
+
+def test_a_site_refuses_a_run_below_its_privacy_floor_naming_the_setting_and_values():
+    """steps=5 at σ=1, q=0.1, δ=1e-5: the site's own RDP ε, not the ε the coordinator states."""
+    pytest.importorskip("opacus")
+    own = epsilon(1.0, 0.1, 5, 1e-5, "rdp")
+    cases = [
+        (dict(require_dp=True), "", "privacy.require_dp = true"),
+        (dict(require_dp=True, min_noise_multiplier=1.5), dp_text(), "σ = 1 is below privacy.min_noise_multiplier = 1.5"),
+        (dict(require_dp=True, max_delta=1e-6), dp_text(), "δ = 1e-05 is above privacy.max_delta = 1e-06"),
+        # the coordinator understates its ε: the site's own accountant decides
+        (dict(require_dp=True, max_epsilon=own * 0.9), dp_text(epsilon=own * 0.5), f"ε = {own:.4g} (σ = 1, q = 0.1, 5 steps"),
+        (dict(require_dp=True, max_epsilon=own * 0.9), dp_text(epsilon=own * 0.5, accountant="prv"), "above privacy.max_epsilon"),
+    ]
+    for policy, dp, message in cases:
+        with pytest.raises(RunRefused) as refused:
+            check_run_config(run_config(dp=dp), floor_site(**policy), max_chunk_bytes=4 << 20)
+        assert message in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
+    meets = floor_site(require_dp=True, min_noise_multiplier=1.0, max_delta=1e-5, max_epsilon=own * 1.01)
+    assert check_run_config(run_config(dp=dp_text()), meets, max_chunk_bytes=4 << 20).privacy.noise_multiplier == 1.0
+    assert check_run_config(run_config(), floor_site(), max_chunk_bytes=4 << 20).privacy is None  # no floor: no DP needed
+
+
+def test_a_site_process_below_its_floor_refuses_before_importing_the_workload(tmp_path, fake_coordinator):
+    marker = write_marker_workload(tmp_path)
+    coordinator, address = fake_coordinator(run_config(workload="marker_wl:build", dp=dp_text(noise_multiplier=0.5)))
+    toml = site_toml(tmp_path, address, allowed_workloads=["marker_wl."], privacy={"require_dp": True, "min_noise_multiplier": 0.8})
+    result = run_site_process(toml, pythonpath=tmp_path)
+    assert result.returncode == 2, result.stderr
+    [line] = error_lines(result.stderr)
+    assert "σ = 0.5 is below privacy.min_noise_multiplier = 0.8" in line and "Traceback" not in result.stderr
+    assert not marker.exists() and coordinator.received == ["hello"]
+
+
+def test_a_privacy_floor_without_require_dp_is_refused_in_the_site_config():
+    with pytest.raises(ValidationError, match="max_epsilon would not stop a run without differential privacy: set require_dp"):
+        PrivacyPolicy(max_epsilon=3.0)
+    with pytest.raises(ValidationError, match="max_delta"):
+        PrivacyPolicy(require_dp=True, max_delta=1.0)
+    with pytest.raises(ValidationError, match="min_noise_multiplier"):
+        PrivacyPolicy(require_dp=True, min_noise_multiplier=float("nan"))
+
+
 def test_a_site_whose_rate_exceeds_the_accounted_one_refuses_to_join():
-    privacy = SitePrivacy(max_grad_norm=1.0, max_sample_rate=0.1)
+    privacy = SitePrivacy(**PUBLIC_DP)
     assert privacy.site_rate(batch_size=32, num_samples=640) == 0.05
     with pytest.raises(ValueError, match="at least 320 records"):
         privacy.site_rate(batch_size=32, num_samples=100)
@@ -83,11 +141,12 @@ def test_the_coordinator_refuses_a_dp_section_it_cannot_honour(dp, strategy, mat
         ServerConfig(dp=dp, strategy={"name": name}, training={"batch_size": int(batch or 32)})
 
 
-def test_a_killed_private_coordinator_replays_its_noise_bit_identically(tmp_path):
-    """The coordinator is SIGKILLed after its checkpoint and restarted: it restores its noise
-    generator and release count, so every replayed step releases exactly the update it
-    released before (same fingerprints), and the run ends with the accountant's ε for its
-    steps — not for the replays, which released nothing new."""
+def test_a_killed_private_coordinator_counts_every_release_and_never_reuses_noise(tmp_path):
+    """The coordinator is SIGKILLed mid-run and restarted: the release count on disk covers
+    every update the sites received (replays included), replayed steps get fresh noise, the
+    run stops before passing the ε it planned for its steps, and summary.json states the
+    accountant's ε for the count."""
+    import re
     import signal
     import subprocess
 
@@ -117,23 +176,28 @@ def test_a_killed_private_coordinator_replays_its_noise_bit_identically(tmp_path
         process.send_signal(signal.SIGKILL)
         process.wait(10)
         before = {r["step"]: r["fingerprint"] for r in records(server.run_dir)}
-        assert 6 <= len(before) < steps and max(before) >= 4, "the kill must come after a checkpoint and before the end"
+        assert 6 <= len(before) < steps, "the kill must come after a checkpoint and before the end"
         process = start_server()
         assert process.wait(180) == 0, log_path.read_text()[-3000:]
     finally:
         if process.poll() is None:
             process.kill()
             process.wait(10)
-    for thread in threads:
-        thread.join(60)
-    history = records(server.run_dir)
-    assert [r["step"] for r in history] == list(range(steps))
-    replayed = [step for step in before if step >= 4]
-    assert replayed and all(history[step]["fingerprint"] == before[step] for step in before)
-    assert "resuming run" in log_path.read_text()
+    applied = [thread.join(60).steps for thread in threads]  # updates each site received and applied, replays included
+    history, log_text = records(server.run_dir), log_path.read_text()
+    resumed_at = int(re.search(r"resuming run \w+ at step (\d+)", log_text).group(1))
+    replayed = [step for step in before if step >= resumed_at]
     summary = json.loads((server.run_dir / "summary.json").read_text())[0]
-    assert summary["dp_releases"] == steps
-    assert summary["dp_epsilon"] == pytest.approx(history[-1]["dp_epsilon"])
+    releases = summary["dp_releases"]
+    assert json.loads((server.run_dir / "dp_releases.json").read_text()) == {"releases": releases}
+    assert releases >= max(applied) and releases >= len(before) + len(history) - resumed_at
+    assert summary["dp_epsilon"] == epsilon(1.0, 0.1, releases, 1e-5) == history[-1]["dp_epsilon"]
+    assert releases <= steps and summary["dp_epsilon"] <= epsilon(1.0, 0.1, steps, 1e-5)  # the planned ε is a ceiling
+    assert [r["step"] for r in history] == list(range(len(history)))
+    if replayed:  # the replays spent budget: the run stopped before its last step
+        assert len(history) < steps and "stops after" in log_text
+        assert all(history[step]["fingerprint"] != before[step] for step in replayed if step < len(history))  # fresh noise
+    assert all(history[step]["fingerprint"] == before[step] for step in before if step < resumed_at)
 
 
 def test_the_coordinator_stops_before_a_step_would_pass_the_target_epsilon(tmp_path):
