@@ -13,6 +13,7 @@ parameters of the run's [dp] are checked, and its ε recomputed, here too.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,6 +124,8 @@ def check_privacy_floor(privacy: SitePrivacy | None, steps: int, policy: Privacy
             run_epsilon = privacy.run_epsilon(steps)
         except ImportError:
             raise RunRefused("privacy.max_epsilon needs the accountant to check the run: pip install 'dadfl[dp]'") from None
+        except (ArithmeticError, ValueError):  # a σ so small the accountant divides by zero: no privacy to speak of
+            run_epsilon = math.inf
         if not run_epsilon <= policy.max_epsilon:  # NaN too
             raise RunRefused(
                 f"the coordinator's run reaches ε = {run_epsilon:.4g} (σ = {privacy.noise_multiplier:.4g}, q = "

@@ -92,6 +92,7 @@ def test_a_site_refuses_a_run_below_its_privacy_floor_naming_the_setting_and_val
         # the coordinator understates its ε: the site's own accountant decides
         (dict(require_dp=True, max_epsilon=own * 0.9), dp_text(epsilon=own * 0.5), f"ε = {own:.4g} (σ = 1, q = 0.1, 5 steps"),
         (dict(require_dp=True, max_epsilon=own * 0.9), dp_text(epsilon=own * 0.5, accountant="prv"), "above privacy.max_epsilon"),
+        (dict(require_dp=True, max_epsilon=100.0), dp_text(noise_multiplier=1e-300), "ε = inf (σ = 1e-300"),  # the accountant divides by zero
     ]
     for policy, dp, message in cases:
         with pytest.raises(RunRefused) as refused:
