@@ -128,9 +128,9 @@ def check_privacy_floor(privacy: SitePrivacy | None, steps: int, policy: Privacy
             run_epsilon = math.inf
         if not run_epsilon <= policy.max_epsilon:  # NaN too
             raise RunRefused(
-                f"the coordinator's run reaches ε = {run_epsilon:.4g} (σ = {privacy.noise_multiplier:.4g}, q = "
-                f"{privacy.max_sample_rate:.4g}, {steps} steps, δ = {privacy.delta:g}; the coordinator states {privacy.epsilon:.4g}), above privacy.max_epsilon = "
-                f"{policy.max_epsilon:g} in the site config"
+                f"the coordinator's run reaches ε = {run_epsilon:.4g} (σ = {privacy.noise_multiplier:.4g}, "
+                f"q = {privacy.max_sample_rate:.4g}, {steps} steps, δ = {privacy.delta:g}; the coordinator states "
+                f"{privacy.epsilon:.4g}), above privacy.max_epsilon = {policy.max_epsilon:g} in the site config"
             )
 
 

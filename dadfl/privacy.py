@@ -101,8 +101,8 @@ class SitePrivacy(StrictModel):
     def run_epsilon(self, steps: int) -> float:
         """ε after the run's ``steps`` as this site computes it, not the coordinator's
         ``epsilon``: the RDP accountant for (q, σ, steps, δ). RDP whatever the run's
-        accountant: it never states less than PRV, and its cost does not grow with
-        ``steps``, which the coordinator chooses (PRV's memory does). A coordinator that
+        accountant: an upper bound, looser than PRV's estimate, and its cost does not grow
+        with ``steps``, which the coordinator chooses (PRV's memory does). A coordinator that
         stops earlier at a target ε spends less; the site does not count on it."""
         return epsilon(self.noise_multiplier, self.max_sample_rate, steps, self.delta, "rdp")
 
