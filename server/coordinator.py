@@ -440,6 +440,8 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                     break
                 attempt, failures = 0, 0
                 while True:
+                    if attempt and self.privacy and (reason := self.privacy.stop_reason()):  # the aborted attempt's release counted
+                        raise RunStopped(f"step {self.step} cannot be retried: {reason}")
                     need = (self.config.federation.initial_sites or self.config.federation.min_sites) if first else self.config.federation.min_sites
                     participants = await self._quorum(need)
                     started = time.perf_counter()
