@@ -186,21 +186,26 @@ def run_scale(n_sites: int, steps: int, processes: int) -> dict:
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             for first, count in zip(firsts, shares) if count
         ]
-        metrics = folder / "run" / "metrics.jsonl"
-        cpu_marks: dict[int, float] = {}
-        rss_last = rss_listening
-        started = time.monotonic()
-        while coordinator.poll() is None:  # CPU at the end of the warm-up and of the last step
-            done = metrics.read_bytes().count(b"\n") if metrics.exists() else 0  # complete records only
-            for mark in (WARMUP, steps):
-                if done >= mark and mark not in cpu_marks:
-                    cpu_marks[mark] = cpu_seconds(coordinator.pid)
-                    rss_last = rss_kib(coordinator.pid)["VmRSS"]
-            if time.monotonic() - started > RUN_TIMEOUT_S:
-                coordinator.kill()
-                raise RuntimeError(f"{n_sites} sites: the run did not end in {RUN_TIMEOUT_S:.0f} s; see {folder / 'server.log'}")
-            time.sleep(0.1)
-        reports = [json.loads(w.communicate(timeout=120)[0].splitlines()[-1]) for w in workers]
+        try:
+            metrics = folder / "run" / "metrics.jsonl"
+            cpu_marks: dict[int, float] = {}
+            rss_last = rss_listening
+            started = time.monotonic()
+            while coordinator.poll() is None:  # CPU at the end of the warm-up and of the last step
+                done = metrics.read_bytes().count(b"\n") if metrics.exists() else 0  # complete records only
+                for mark in (WARMUP, steps):
+                    if done >= mark and mark not in cpu_marks:
+                        cpu_marks[mark] = cpu_seconds(coordinator.pid)
+                        rss_last = rss_kib(coordinator.pid)["VmRSS"]
+                if time.monotonic() - started > RUN_TIMEOUT_S:
+                    raise RuntimeError(f"{n_sites} sites: the run did not end in {RUN_TIMEOUT_S:.0f} s; see {folder / 'server.log'}")
+                time.sleep(0.1)
+            reports = [json.loads(w.communicate(timeout=120)[0].splitlines()[-1]) for w in workers]
+        finally:  # a failed run leaves no site retrying against a coordinator that is gone
+            for process in (*workers, coordinator):
+                if process.poll() is None:
+                    process.kill()
+                    process.wait(10)
         records = list(read_metrics(metrics))
         if len(records) != steps or coordinator.returncode != 0:
             raise RuntimeError(f"{n_sites} sites: {len(records)} of {steps} steps, coordinator exit {coordinator.returncode}")
