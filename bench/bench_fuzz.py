@@ -31,6 +31,7 @@ run takes about two minutes.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import collections
 import json
 import math
@@ -49,7 +50,7 @@ import dadfl.client.site as site_module
 from dadfl.client.config import SiteConfig
 from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.protos import tensor_pb2 as pb
-from dadfl.protos.channel import channel_options
+from dadfl.protos.channel import PROTOCOL_VERSION, channel_options
 from dadfl.protos.codec import decode_chunks, encode_payload
 from dadfl.server.enrol import enroll
 from dadfl.strategies import Payload
@@ -268,7 +269,7 @@ def raw_case(endpoint: str, kind: str, token: str) -> str:
     join = channel.stream_stream("/dadfl.v1.Coordinator/Join", request_serializer=lambda raw: raw,
                                  response_deserializer=cpb.ServerMessage.FromString)
     message = (random.randbytes(256) if kind == "garbage_first_message"
-               else cpb.SiteMessage(hello=cpb.Hello(site_id="x" * MIB, token=token, protocol_version=1)).SerializeToString())
+               else cpb.SiteMessage(hello=cpb.Hello(site_id="x" * MIB, token=token, protocol_version=PROTOCOL_VERSION)).SerializeToString())
     try:
         for _ in join(iter([message]), timeout=20):
             pass
@@ -293,9 +294,8 @@ def run_fuzzer(fuzzer: Fuzzer, config: SiteConfig) -> None:
             fuzzer.refused(raw_case(config.connect.server, case["kind"], config.token))
             fuzzer.start()
             continue
-        channel = site_module.open_channel(config, insecure=True)
         try:
-            if site.connect_once(channel):
+            if asyncio.run(site.join(insecure=True)):
                 fuzzer.refused("run finished")
                 return
             fuzzer.refused("stream ended")
@@ -305,8 +305,6 @@ def run_fuzzer(fuzzer: Fuzzer, config: SiteConfig) -> None:
                     time.sleep(0.2)
                     continue
             fuzzer.refused(exc.code().name)
-        finally:
-            channel.close()
         fuzzer.start()
 
 

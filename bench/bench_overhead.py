@@ -6,15 +6,20 @@ For each site count N it runs, in the same session:
 
 - **echo**: a bare grpc.aio bidirectional stream per client process; one round = the
   server sends one small message to all N clients and waits for every reply. A step of
-  dadfl makes two such rounds (step_begin -> upload, message -> step_done).
+  dadfl with a one-phase strategy makes one such round: the server's message of step t
+  is also the start of step t + 1, whose upload carries the step_done of t.
 - **dadfl**: a real coordinator (in this process) and N ``python -m dadfl.client`` site
   processes training a tiny workload (Linear 4 -> 2, a few bytes per payload) with dSGD,
-  so transfer is negligible. Per-step time is the server's ``seconds`` record (step_begin
-  to the update applied); compute is the in-process cost of the same work (one site's
-  local step, site half, apply and fingerprint, plus the server's aggregate and apply),
-  measured here; overhead = step time - compute.
+  so transfer is negligible. Per-step time is the server's ``seconds`` record (start of
+  the step to the update applied); compute is the in-process cost of the same work (one
+  site's local step, site half, apply and fingerprint, plus the server's aggregate and
+  apply), measured here; overhead = step time - compute. With more site processes than
+  cores the sites' compute cannot all run at once: the last column also counts it as
+  spread over the cores (site compute x sites / cores), which is the share of the step
+  no protocol can remove on this machine.
 
-Medians over the steps after a warm-up. Goal: overhead <= 2 ms at 8 sites, <= 8 ms at 32.
+Medians over the steps after a warm-up. Goal: overhead <= 1.5 echo rounds (measured in the
+same run) at 8 and at 32 site processes.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from pathlib import Path
 import grpc
 
 HERE = Path(__file__).resolve().parent
-GOALS_MS = {8: 2.0, 32: 8.0}
+GOAL_ECHO_ROUNDS = 1.5
 WARMUP = 20
 
 
@@ -138,25 +143,28 @@ async def _echo_server(n_clients: int, rounds: int) -> list[float]:
 # ----------------------------------------------------------------------------- dadfl
 
 
-def compute_seconds(n_sites: int) -> float:
-    """What one step computes, without any network: one site's share plus the server's."""
+def compute_seconds(n_sites: int) -> tuple[float, float]:
+    """What one step computes, without any network: (one site's share, the server's)."""
     from dadfl.replica import OptimizerConfig, Replica
     from dadfl.strategies import make_strategy
 
     workload, strategy = tiny_workload(), make_strategy("dsgd")
     site, server_replica = Replica(workload, strategy, OptimizerConfig()), Replica(workload, strategy, OptimizerConfig())
     server = strategy.server(server_replica.layout, server_replica.model)
-    times = []
+    site_times, server_times = [], []
     for step in range(100):
         start = time.perf_counter()
         local = site.local(workload.train.inputs[:8], workload.train.targets[:8])
         payload = site.half.begin(local, step)
+        middle = time.perf_counter()
         message = server.aggregate([payload] * n_sites)
+        server_replica.apply([message])
+        end = time.perf_counter()
         site.half.receive(message)
         site.apply([message])
-        server_replica.apply([message])
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[WARMUP:])
+        site_times.append(middle - start + time.perf_counter() - end)
+        server_times.append(end - middle)
+    return statistics.median(site_times[WARMUP:]), statistics.median(server_times[WARMUP:])
 
 
 def run_dadfl(n_sites: int, steps: int) -> list[float]:
@@ -181,6 +189,7 @@ def run_dadfl(n_sites: int, steps: int) -> list[float]:
         )
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
         sites: list[subprocess.Popen] = []
+        tokens = {f"site-{index:03d}": enroll(folder / "tokens.json", f"site-{index:03d}") for index in range(n_sites)}  # the server checks the file at start
 
         def start_sites(endpoint: str) -> None:
             for index in range(n_sites):
@@ -188,7 +197,8 @@ def run_dadfl(n_sites: int, steps: int) -> list[float]:
                 toml = write_toml(
                     folder / f"{site_id}.toml",
                     {
-                        "site_id": site_id, "token": enroll(folder / "tokens.json", site_id), "device": "cpu", "threads": 1,
+                        "site_id": site_id, "token": tokens[site_id], "device": "cpu", "threads": 1,
+                        "allowed_workloads": ["bench_overhead:tiny_workload"],
                         "connect": {"server": endpoint, "backoff_initial_s": 0.2, "max_attempts": 100},
                         "data": {"source": "partition", "site_index": index, "num_sites": n_sites},
                     },
@@ -212,18 +222,24 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
+    cores = len(os.sched_getaffinity(0))
     results = []
     for n in args.sites:
         echo = statistics.median(asyncio.run(_echo_server(n, args.steps)))
         step = statistics.median(run_dadfl(n, args.steps))
-        compute = compute_seconds(n)
+        site, server = compute_seconds(n)
+        compute = site + server
         overhead = step - compute
-        results.append({"sites": n, "echo_round_ms": echo * 1e3, "step_ms": step * 1e3, "compute_ms": compute * 1e3, "overhead_ms": overhead * 1e3})
-        goal = GOALS_MS.get(n)
+        on_cores = step - server - site * max(1.0, n / cores)
+        results.append({
+            "sites": n, "cores": cores, "echo_round_ms": echo * 1e3, "step_ms": step * 1e3, "compute_ms": compute * 1e3,
+            "site_compute_ms": site * 1e3, "overhead_ms": overhead * 1e3, "overhead_per_echo_round": overhead / echo,
+            "overhead_on_cores_ms": on_cores * 1e3, "overhead_on_cores_per_echo_round": on_cores / echo,
+        })
         print(
             f"{n:3d} sites: echo round {echo * 1e3:6.2f} ms | dadfl step {step * 1e3:6.2f} ms = compute {compute * 1e3:5.2f} ms "
-            f"+ overhead {overhead * 1e3:6.2f} ms | overhead / (2 echo rounds) {overhead / (2 * echo):5.2f}x"
-            + (f" | goal {goal:.0f} ms: {overhead * 1e3 / goal:5.2f}x" if goal else ""),
+            f"+ overhead {overhead * 1e3:6.2f} ms | overhead / echo round {overhead / echo:5.2f}x (goal <= {GOAL_ECHO_ROUNDS}x) | "
+            f"site compute spread over {cores} cores: overhead {on_cores * 1e3:6.2f} ms = {on_cores / echo:5.2f}x",
             flush=True,
         )
     print(json.dumps(results))

@@ -31,14 +31,13 @@ import torch
 from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.protos import coordinator_pb2_grpc as cpb_grpc
 from dadfl.protos import tensor_pb2 as pb
-from dadfl.protos.channel import channel_options
+from dadfl.protos.channel import PROTOCOL_VERSION, channel_options
 from dadfl.protos.codec import encode_payload
 from dadfl.server.enrol import enroll
 from dadfl.strategies import Payload
 
 from .coordinator_process import rss_kib, start_coordinator, write_server_toml
 
-PROTOCOL_VERSION = 1
 MIB = 1 << 20
 
 

@@ -7,8 +7,10 @@ process), the site restores the saved state at t. Step 0 is always the fresh hal
 
 States live in memory and, when the site config has a ``state_dir``, in
 ``<state_dir>/<site id>/run-<run id>/half-<step>.pt`` (written to a temporary name, then renamed:
-a kill leaves the old file or the new one). Only the states the server may still ask for
-are kept: the one at the server's checkpoint step, the current one and the next.
+a kill leaves the old file or the new one); a stateless half's empty state is an empty
+file. Only the states the server may still ask for are kept: the one at the server's
+checkpoint step, and the two around the step under way (the step a site began by itself
+still needs the state at its start for an abort of the step before).
 They are derived from the site's gradients: keep ``state_dir`` as private as the data.
 """
 
@@ -38,6 +40,7 @@ class HalfStates:
     def __init__(self, state_dir: Path | None, site_id: str, run_id: str, device: torch.device):
         self.device = device
         self.memory: dict[int, State] = {}
+        self.on_disk: set[int] = set()  # read once: this site is the folder's only writer
         self.folder: Path | None = None
         if state_dir is None:
             return
@@ -50,21 +53,23 @@ class HalfStates:
         for other in site_folder.glob(f"{RUN_FOLDER}*"):
             if other != self.folder and other.is_dir():
                 shutil.rmtree(other, ignore_errors=True)  # a site takes part in one run at a time
+        self.on_disk = {int(m.group(1)) for p in self.folder.iterdir() if (m := STATE_FILE.match(p.name))}
 
     def steps(self) -> set[int]:
         """Steps whose start this site can restore (0: the fresh half)."""
-        on_disk = set()
-        if self.folder is not None:
-            on_disk = {int(m.group(1)) for p in self.folder.iterdir() if (m := STATE_FILE.match(p.name))}
-        return {0} | set(self.memory) | on_disk
+        return {0} | set(self.memory) | self.on_disk
 
     def save(self, step: int, state: State) -> None:
         self.memory[step] = state
         if self.folder is not None:
             path = self._path(step)
-            tmp = path.with_name(path.name + ".tmp")
-            torch.save(state, tmp)
-            os.replace(tmp, path)
+            if not state:  # a stateless half, every step: no serialiser, an empty file says it
+                path.touch()
+            else:
+                tmp = path.with_name(path.name + ".tmp")
+                torch.save(state, tmp)
+                os.replace(tmp, path)
+            self.on_disk.add(step)
 
     def load(self, step: int) -> State | None:
         """The state at ``step``; None when it is not saved or unreadable (the caller resets)."""
@@ -73,6 +78,8 @@ class HalfStates:
         if self.folder is None or not self._path(step).exists():
             return None
         try:
+            if self._path(step).stat().st_size == 0:
+                return {}
             return torch.load(self._path(step), map_location=self.device, weights_only=True)
         except Exception as exc:  # a torn or foreign file: the same as a lost one
             log.warning("strategy state file %s is unreadable (%s)", self._path(step).name, type(exc).__name__)
@@ -80,6 +87,7 @@ class HalfStates:
 
     def forget(self, step: int) -> None:
         self.memory.pop(step, None)
+        self.on_disk.discard(step)
         if self.folder is not None:
             self._path(step).unlink(missing_ok=True)
 

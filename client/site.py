@@ -5,23 +5,28 @@ CA), says hello with its site id and token, builds its replica from the run conf
 server sends (workload, strategy, optimizer, batch size), answers with its model layout
 fingerprint, loads the state the server sends, then follows the server step by step:
 local forward/backward, the strategy's site half for every phase, apply the update,
-report the weights fingerprint. When its weights differ from the server's at the start
-of a step it asks for the full state. Its strategy half's state is saved after every step
+report the weights fingerprint. When the server's message of a step says ``next``, the
+site goes on by itself: it applies the update, begins the next step at once and sends its
+step_done with that step's upload (one round trip per step; the server checks the
+weights fingerprint on the upload). When its weights differ from the server's at an
+explicit step_begin it asks for the full state. Its strategy half's state is saved after every step
 (``half_states.py``) and restored when the server begins a step the half is not at (a
 restarted coordinator replaying from its checkpoint, an aborted attempt, a restarted
 site). A dropped connection is retried with exponential backoff; refusals (unknown site,
 bad token, wrong layout) end the site with the reason.
+
+The client is asyncio (``grpc.aio``): one coroutine reads the stream, handles each message
+and writes what the handling produced, with no thread between them; many sites can run
+in one process (``run_site_async``). Work on a model of ``INLINE_BYTES`` or more (and the
+replica's build) runs in a worker thread, so a large step does not stall other streams.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import queue
-import threading
 import random
-import time
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import grpc
 import torch
@@ -32,7 +37,7 @@ from dadfl.privacy import poisson_cap
 from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.protos import coordinator_pb2_grpc as cpb_grpc
 from dadfl.protos import tensor_pb2 as pb
-from dadfl.protos.channel import channel_options
+from dadfl.protos.channel import PROTOCOL_VERSION, channel_options
 from dadfl.protos.codec import PayloadAssembler, codec_id, encode_payload
 from dadfl.protos.state import load_state
 from dadfl.replica import Replica, resolve_device
@@ -49,9 +54,8 @@ from .run_checks import RunRefused, build_workload, check_run_config
 
 log = logging.getLogger("dadfl.site")
 
-PROTOCOL_VERSION = 1
 MAX_CHUNK_BYTES = 4 << 20  # the largest chunk_bytes a server config allows
-REQUEST_THREAD_EXIT_S = 5.0
+INLINE_BYTES = 1 << 20  # models smaller than this step on the event loop: a hop to a thread costs more
 REASON_CHARS = 300  # of a reason the server sends, when logged
 PERMANENT = {
     grpc.StatusCode.UNAUTHENTICATED,
@@ -63,6 +67,22 @@ PERMANENT = {
 
 class SiteRefused(RuntimeError):
     """The server refused this site for a reason retrying cannot fix."""
+
+
+class ServerClosed(grpc.RpcError):
+    """The server is ending this stream; its ``closing`` message says with which status and why
+    (the status itself may be lost to a write that fails as the stream ends)."""
+
+    def __init__(self, closing: cpb.Closing):
+        super().__init__(closing.reason)
+        self._code = next((c for c in grpc.StatusCode if c.value[0] == closing.code), grpc.StatusCode.UNKNOWN)
+        self._details = closing.reason
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
 
 
 class GaveUp(RuntimeError):
@@ -94,6 +114,8 @@ class Run:
     half_step: int | None = 0  # the step whose start the half holds; None in the middle of a step
     held_out: Dataset | None = None  # evaluation data
     private: bool = False  # [dp]: Poisson batches, clipped samples, the coordinator's noisy update
+    large: bool = False  # a model of INLINE_BYTES or more: its steps run in a worker thread
+    checkpoint_step: int = 0  # the server's checkpoint step as the last step begin named it
 
     def prepare_half(self, begin: cpb.StepBegin) -> None:
         """Bring the strategy half to the start of ``begin.step``: reset, restore or keep."""
@@ -107,7 +129,19 @@ class Run:
                 self._restore(fresh, step)
             replica.half = fresh
         self.half_step = step
-        self.states.keep_only({begin.checkpoint_step, step})
+        # step - 1: a step begun by itself restarts from there if the step before aborts; the
+        # checkpoint step named before: a `next` names the checkpoint before it is saved
+        self.states.keep_only({self.checkpoint_step, begin.checkpoint_step, step - 1, step})
+        self.checkpoint_step = begin.checkpoint_step
+
+    def save_half(self, begin: cpb.StepBegin) -> None:
+        """After applying ``begin.step``: save the half as the state at the next step's start.
+        The one before ``begin.step`` is no longer needed, nor an older checkpoint step than
+        ``begin``'s: the server committed and checkpointed both before this step's message."""
+        step = begin.step + 1
+        self.states.save(step, self.replica.half.state_dict())
+        self.states.keep_only({begin.checkpoint_step, step - 1, step})
+        self.half_step = step
 
     def _restore(self, half, step: int) -> None:
         state = self.states.load(step)
@@ -125,31 +159,24 @@ class Session:
 
     def __init__(self, site: "Site"):
         self.site = site
-        self.outgoing: queue.Queue = queue.Queue()
+        self.outgoing: list[cpb.SiteMessage] = []  # written to the stream after each handled message
         self.assembler: PayloadAssembler | None = None
         self.step: cpb.StepBegin | None = None  # the step under way
         self.messages: list[Payload] = []
         self.waiting_for_sync = False
-        self.requests_started = False
-        self.requests_done = threading.Event()
+        self.going_next: cpb.StepNext | None = None  # the `next` of the server message being assembled
+        self.pending_done: cpb.StepDone | None = None  # goes with the first chunk of the next upload
 
-    def requests(self) -> Iterator[cpb.SiteMessage]:
-        self.requests_started = True
-        try:
-            while (message := self.outgoing.get()) is not None:
-                yield message
-        finally:
-            self.requests_done.set()
-
-    def close(self) -> None:
-        """End the request stream and wait for gRPC's sending thread to leave it: a
-        process that exits while that thread still runs aborts in gRPC's C++ core."""
-        self.outgoing.put(None)
-        if self.requests_started:
-            self.requests_done.wait(REQUEST_THREAD_EXIT_S)
+    def take_outgoing(self) -> list[cpb.SiteMessage]:
+        outgoing, self.outgoing = self.outgoing, []
+        return outgoing
 
     def send(self, **kind) -> None:
-        self.outgoing.put(cpb.SiteMessage(**kind))
+        message = cpb.SiteMessage(**kind)
+        if "chunk" in kind and self.pending_done is not None:
+            message.previous_done.CopyFrom(self.pending_done)
+            self.pending_done = None
+        self.outgoing.append(message)
 
     def handle(self, message: cpb.ServerMessage) -> bool:
         """Act on one server message; True when the run is over."""
@@ -162,6 +189,8 @@ class Session:
                 layout_fingerprint=run.replica.layout.fingerprint(), strategy_state_steps=sorted(run.states.steps())
             ))
         elif kind == "chunk":
+            if message.chunk.HasField("header"):
+                self.going_next = message.next if message.HasField("next") else None
             assembled = self.assembler.feed(message.chunk)
             if assembled is not None:
                 if assembled.header.kind == pb.STATE:
@@ -172,10 +201,12 @@ class Session:
             self.on_step_begin(message.step_begin)
         elif kind == "step_abort":
             log.warning("step %d aborted by the server: %s", message.step_abort.step, one_line(message.step_abort.reason, REASON_CHARS))
-            self.step, self.messages, self.waiting_for_sync = None, [], False
+            self.step, self.messages, self.waiting_for_sync, self.pending_done = None, [], False, None
         elif kind == "finished":
             self.site.summary.finished = one_line(message.finished.reason, REASON_CHARS)
             return True
+        elif kind == "closing":
+            raise ServerClosed(message.closing)
         return False
 
     def on_state(self, state: Payload) -> None:
@@ -204,6 +235,9 @@ class Session:
             # A Poisson draw with no sample (chance about e^-batch_size) or far above the batch: nothing to
             # send; the server goes on without this site once the phase times out.
             log.warning("step %d: the Poisson draw holds %d samples; this site sits the step out", begin.step, len(targets))
+            if self.pending_done is not None:  # the step before still needs this site's done
+                self.send(step_done=self.pending_done)
+                self.pending_done = None
             return
         local = run.replica.local(inputs, targets)
         run.half_step = None  # from here until the update is applied the half holds part of a step
@@ -230,15 +264,19 @@ class Session:
             self.upload(reply)
             return
         fingerprint = replica.apply(self.messages)
-        run = self.site.run
-        run.states.save(self.step.step + 1, replica.half.state_dict())  # before step_done: a kill after it loses nothing
-        run.half_step = self.step.step + 1
+        self.site.run.save_half(self.step)  # before step_done: a kill after it loses nothing
         self.site.summary.fingerprint = fingerprint
         self.site.summary.steps += 1
-        self.send(step_done=cpb.StepDone(step=self.step.step, attempt=self.step.attempt, fingerprint=fingerprint, eval=self.evaluate()))
-        if self.step.step % 10 == 0:
-            log.info("step %d done (%s)", self.step.step, fingerprint[:12])
+        step = self.step.step
+        done = cpb.StepDone(step=step, attempt=self.step.attempt, fingerprint=fingerprint, eval=self.evaluate())
+        if step % 10 == 0:
+            log.info("step %d done (%s)", step, fingerprint[:12])
         self.step, self.messages = None, []
+        if self.going_next is None:
+            self.send(step_done=done)
+            return
+        self.pending_done = done  # the next step begins now; its upload carries this done
+        self.on_step_begin(cpb.StepBegin(step=step + 1, fingerprint=fingerprint, attempt=0, checkpoint_step=self.going_next.checkpoint_step))
 
     def evaluate(self) -> cpb.EvalReport | None:
         """The updated global model on this site's held-out data, on evaluation steps."""
@@ -284,32 +322,53 @@ class Site:
         if held_out is not None:
             held_out = check_dataset(replica.model, workload.loss, held_out, held_out_source(self.config, source), replica.device)
         states = HalfStates(self.config.state_dir, self.config.site_id, config.run_id, replica.device)
-        self.run = Run(config, replica, batches, codec_id(config.codec), states, held_out=held_out, private=privacy is not None)
+        large = sum(p.numel() * p.element_size() for p in replica.model.parameters()) >= INLINE_BYTES
+        self.run = Run(config, replica, batches, codec_id(config.codec), states, held_out=held_out, private=privacy is not None, large=large)
         log.info("site %s: run %s, %s with %s, %d steps", self.config.site_id, config.run_id, config.workload, config.strategy, config.steps)
 
-    def connect_once(self, channel: grpc.Channel) -> bool:
+    async def join(self, insecure: bool = False) -> bool:
+        """Open a channel (``open_channel``) and take part over one stream; True when the run finished."""
+        channel = open_channel(self.config, insecure)
+        try:
+            return await self.connect_once(channel)
+        finally:
+            await channel.close()
+
+    async def connect_once(self, channel: grpc.aio.Channel) -> bool:
         """One stream from hello to its end; True when the run finished."""
         session = Session(self)
         session.send(hello=cpb.Hello(site_id=self.config.site_id, token=self.config.token, protocol_version=PROTOCOL_VERSION))
-        stub = cpb_grpc.CoordinatorStub(channel)
-        responses = stub.Join(session.requests())
+        call = cpb_grpc.CoordinatorStub(channel).Join()
         try:
-            for message in responses:
-                if session.handle(message):
+            while True:
+                for outgoing in session.take_outgoing():
+                    await call.write(outgoing)
+                message = await call.read()
+                if message is grpc.aio.EOF:
+                    return False
+                if await self._handle(session, message):
                     return True
+        except asyncio.InvalidStateError:  # a write after the server ended the stream: reading raises its status
+            await call.read()
             return False
         finally:
-            responses.cancel()
-            session.close()
+            call.cancel()
+
+    async def _handle(self, session: Session, message: cpb.ServerMessage) -> bool:
+        """``session.handle``, in a worker thread for the replica's build and a large model's steps."""
+        kind = message.WhichOneof("kind")
+        if kind == "config" or (self.run is not None and self.run.large and kind in ("chunk", "step_begin")):
+            return await asyncio.to_thread(session.handle, message)
+        return session.handle(message)
 
 
-def open_channel(config: SiteConfig, insecure: bool) -> grpc.Channel:
+def open_channel(config: SiteConfig, insecure: bool) -> grpc.aio.Channel:
     """TLS with the configured CA (and the site's certificate, for mutual TLS); plain text
     only when explicitly ``insecure``."""
     options = channel_options(MAX_CHUNK_BYTES)
     connect = config.connect
     if insecure:
-        return grpc.insecure_channel(connect.server, options=options)
+        return grpc.aio.insecure_channel(connect.server, options=options)
     if connect.ca_cert is None:
         raise SiteRefused("TLS is on by default: set connect.ca_cert to the server's CA certificate, or pass --insecure")
     if not connect.ca_cert.is_file():
@@ -323,11 +382,16 @@ def open_channel(config: SiteConfig, insecure: bool) -> grpc.Channel:
     credentials = grpc.ssl_channel_credentials(root_certificates=connect.ca_cert.read_bytes(), **identity)
     if connect.tls_server_name:
         options.append(("grpc.ssl_target_name_override", connect.tls_server_name))
-    return grpc.secure_channel(connect.server, credentials, options=options)
+    return grpc.aio.secure_channel(connect.server, credentials, options=options)
 
 
 def run_site(config: SiteConfig, insecure: bool = False) -> SiteSummary:
     """Take part in the server's run until it finishes; reconnect with backoff when dropped."""
+    return asyncio.run(run_site_async(config, insecure))
+
+
+async def run_site_async(config: SiteConfig, insecure: bool = False) -> SiteSummary:
+    """:func:`run_site` as a coroutine: many sites may share one event loop."""
     if config.threads:
         torch.set_num_threads(config.threads)
     resolve_device(config.device)  # no CUDA for device = "cuda": say so before connecting
@@ -339,10 +403,9 @@ def run_site(config: SiteConfig, insecure: bool = False) -> SiteSummary:
     failures, delay = 0, connect.backoff_initial_s
     while True:
         steps_before = site.summary.steps
-        channel = open_channel(config, insecure)
         try:
             site.summary.connections += 1
-            if site.connect_once(channel):
+            if await site.join(insecure):
                 log.info("site %s: %s", config.site_id, site.summary.finished)
                 return site.summary
             reason = "the server ended the stream"
@@ -352,8 +415,6 @@ def run_site(config: SiteConfig, insecure: bool = False) -> SiteSummary:
             reason = f"{exc.code().name}: {one_line(exc.details() or '', REASON_CHARS)}"
         except StateLost as exc:
             reason = str(exc)
-        finally:
-            channel.close()
         if site.summary.steps > steps_before:
             failures, delay = 0, connect.backoff_initial_s  # the connection was useful: start over
         failures += 1
@@ -361,5 +422,5 @@ def run_site(config: SiteConfig, insecure: bool = False) -> SiteSummary:
             raise GaveUp(f"site {config.site_id}: {connect.server} unreachable {failures} times in a row (last: {reason})")
         pause = delay * (0.5 + random.random())  # jitter: sites that lost the server together do not return together
         log.warning("site %s: %s; reconnecting in %.1f s (%d/%d)", config.site_id, reason, pause, failures, connect.max_attempts)
-        time.sleep(pause)
+        await asyncio.sleep(pause)
         delay = min(delay * 2, connect.backoff_max_s)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+# 2: one round trip per step (StepNext / SiteMessage.previous_done). A site and a server of
+# different versions are refused at the hello with FAILED_PRECONDITION, naming both.
+PROTOCOL_VERSION = 2
+
 
 def channel_options(chunk_bytes: int) -> list[tuple[str, int]]:
     """Message limits sized to one payload chunk plus its header; keepalive to spot dead peers."""

@@ -5,16 +5,31 @@ drives the strategy's server half over the sites that are connected, in site-id 
 
 1. wait for a quorum (``min_sites``; ``initial_sites`` before the first step), send the
    current state (weights + optimizer state) to sites that joined since the last step;
-2. ``step_begin`` to every participant, then per phase: collect every participant's
-   upload in the order they arrive (``phase_timeout_s``), check each as it comes
-   (protocol), then all together with the strategy's rules and the influence bound;
-   aggregate, decode the message as every site will, send it to all;
+2. ``step_begin`` to every participant that did not begin the step by itself (below),
+   then per phase: collect every participant's upload in the order they arrive
+   (``phase_timeout_s``), check each as it comes (protocol, including the weights
+   fingerprint it was computed from), then all together with the strategy's rules and
+   the influence bound; aggregate, decode the message as every site will, serialise it
+   once and send the same bytes to all;
 3. once every participant has reported ``step_done`` (it has applied the update and
    saved its strategy state) the step is committed: the server applies the same update,
    logs metrics, evaluates and checkpoints on schedule.
    On evaluation steps each site's ``step_done`` carries its evaluation of the updated
    model on its own held-out data (checked and combined in ``evaluation.py``); a
    coordinator-side test set (the workload's ``test`` split) is optional.
+
+One round trip per step (per phase for multi-phase strategies): every phase message of
+step t but the last step's carries ``next`` (the checkpoint step the sites should keep).
+A site that applies step t then begins step t + 1 at once (attempt 0, from its own
+weights) and sends the ``step_done`` of t inside the first message of that upload. So
+the ``step_done`` round of t and phase 0 of t + 1 are the same messages; the server
+commits t when every done is in and takes the uploads already queued as step t + 1 for
+the participants of t (``going_on``). A newcomer gets a ``step_begin``; so do, still at
+attempt 0, every site when the strategy state resets and a site whose weights differed
+after t (what they sent ahead began from the wrong halves or weights): the first upload
+of that step from such a site is dropped, it computes the step again (``stale_step``).
+Uploads that went ahead for a step that then aborted are dropped too (``_answer``). The
+last step's done is sent on its own.
 
 At the end the run folder gets ``summary.json`` and the plots ``dadfl sim`` writes.
 
@@ -23,9 +38,13 @@ Dropouts: a site lost during phase 0 is left out and the step completes with the
 after phase 0 of a multi-phase strategy, or a lost quorum, aborts the step: no replica
 has applied anything yet, so the step simply restarts (next ``attempt``) once a quorum
 is connected again. A site lost after the last phase but before its ``step_done`` also
-aborts the step: sites that already applied it get the server's state again (their
-weights differ from the step's start) and restore their strategy state. A site that
-reconnects receives the current state before its next step.
+aborts the step: sites that already applied it (and began the next step by themselves)
+get ``step_abort`` and an explicit ``step_begin``; their weights differ from the step's
+start, so they fetch the server's state again, and they restore their strategy state at
+the step's start (a site keeps it until the next message proves the step committed).
+With one round trip, a site lost between two steps is lost before its done: the step
+before aborts rather than the next one going on without it. A site that reconnects
+receives the current state before its next step.
 
 Refusals (README "Trust"): a site whose upload fails a check, whose contribution is out
 of bounds, or whose upload alone breaks the aggregated message is dropped like a lost
@@ -57,6 +76,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import grpc
 import torch
@@ -66,6 +86,7 @@ from dadfl.metrics import MetricsWriter, is_eval_step, read_metrics
 from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.protos import coordinator_pb2_grpc as cpb_grpc
 from dadfl.protos import tensor_pb2 as pb
+from dadfl.protos.channel import PROTOCOL_VERSION
 from dadfl.protos.codec import PayloadAssembler, WireError, codec_id, encode_payload, roundtrip
 from dadfl.protos.state import state_payload
 from dadfl.replica import Replica
@@ -79,7 +100,7 @@ from .config import ServerConfig
 from .certs import check_client_certificate
 from .enrol import SITE_ID_PATTERN, SITE_ID_RULE, Enrolment, EnrolmentError, token_hash, verify
 from .evaluation import EvalRejected, SiteEval, check_report, combine
-from .links import FINISH, Close, Closed, Done, SiteLink, SyncRequest, Upload
+from .links import FINISH, GRPC_FRAME_BYTES, Close, Closed, Done, Encoded, SiteLink, SyncRequest, Upload
 from .privacy import ServerPrivacy, split_state
 from .progress import OperatorView
 from .quarantine import Quarantine
@@ -87,8 +108,7 @@ from .validate import PayloadError, check_protocol
 
 log = logging.getLogger("dadfl.server")
 
-PROTOCOL_VERSION = 1
-GRPC_FRAME_BYTES = 5  # length prefix of every gRPC message
+CLOSE_GRACE_S = 1.0  # a closing stream waits this long for the site to read why (Coordinator._end_stream)
 HELLO_TIMEOUT_S = 10.0  # a site says hello as soon as its stream opens
 HANDSHAKE_TIMEOUT_S = 120.0  # a site builds its replica between config and ready
 MAX_HANDSHAKES = 64  # streams between hello and admission at once; more wait (RESOURCE_EXHAUSTED, the site retries)
@@ -105,6 +125,10 @@ class RunStopped(RuntimeError):
 
 def wire_size(message) -> int:
     return message.ByteSize() + GRPC_FRAME_BYTES
+
+
+def done_event(done: cpb.StepDone) -> Done:
+    return Done(done.step, done.attempt, done.fingerprint, done.eval if done.HasField("eval") else None)
 
 
 def strategy_label(name: str, options: dict, label: str = "") -> str:
@@ -192,6 +216,8 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             except (KeyError, ValueError) as exc:
                 self.reset_reason = f"the checkpoint's strategy state does not load ({exc})"
         self.half_at_step_start = self.server_half.state_dict()  # restored after an aborted attempt
+        self.went_ahead: set[SiteLink] = set()  # participants that began the next step by themselves
+        self.going_on: set[SiteLink] = set()  # those of them whose uploads the next step takes
         self.view = OperatorView(  # made here: a missing TensorBoard stops the server before it listens
             config.training.steps, self.step, workload.metric_name, config.training.progress_every_s,
             self.run_dir, config.training.tensorboard,
@@ -226,7 +252,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
 
     async def _join(self, context) -> None:
         if self.handshakes >= MAX_HANDSHAKES:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{MAX_HANDSHAKES} sites are joining at once; retry shortly")
+            await self._end_stream(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{MAX_HANDSHAKES} sites are joining at once; retry shortly")
         self.handshakes += 1
         try:
             link = await self._handshake(context)
@@ -244,7 +270,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                 if isinstance(item, Close):
                     reason = one_line(item.reason)  # reasons may quote what the site sent
                     log.warning("closing site %s: %s", link.site_id, reason)
-                    await context.abort(item.code, reason)
+                    await self._end_stream(context, item.code, reason, reader)
                 if not await self._write(link, context, item):
                     continue  # closed while the write waited: the Close is next in the outbox
         finally:
@@ -256,7 +282,33 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             log.info("site %s disconnected", link.site_id)
 
     @staticmethod
-    async def _write(link: SiteLink, context, message: cpb.ServerMessage) -> bool:
+    async def _end_stream(context, code: grpc.StatusCode, reason: str, reader: asyncio.Task | None = None) -> NoReturn:
+        """End a stream with ``code`` and ``reason``: first a ``closing`` message saying so, then
+        the status once the site has ended its side (at most ``CLOSE_GRACE_S``). A grpc.aio
+        client whose write fails after the status arrived reports INTERNAL instead of the
+        status; a site that read ``closing`` writes nothing more. ``reader``: the task that
+        reads the stream, which stops after the next message once its link is closed."""
+        deadline = time.monotonic() + CLOSE_GRACE_S
+        closing = cpb.ServerMessage(closing=cpb.Closing(code=code.value[0], reason=reason))
+        try:
+            await asyncio.wait_for(context.write(closing), CLOSE_GRACE_S)
+            if reader is not None:
+                await asyncio.wait({reader}, timeout=max(deadline - time.monotonic(), 0))
+            if reader is None or reader.done():
+                await Coordinator._until_site_ends(context, deadline)
+        except (Exception, asyncio.CancelledError):  # the site left, sent garbage or did not read: the status ends it
+            pass
+        await context.abort(code, reason)
+
+    @staticmethod
+    async def _until_site_ends(context, deadline: float) -> None:
+        """Read (and drop) what the site sends until it ends its side of the stream or ``deadline``."""
+        while (remaining := deadline - time.monotonic()) > 0:
+            if await asyncio.wait_for(context.read(), remaining) is grpc.aio.EOF:
+                return
+
+    @staticmethod
+    async def _write(link: SiteLink, context, message: Encoded) -> bool:
         """Write one message; False when the link was closed while the write waited for a
         site that does not read (``SiteLink.close`` fires the timeout at once)."""
         if link.closed:
@@ -280,16 +332,16 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         first = await self._read_one(context, "hello", HELLO_TIMEOUT_S)
         hello = first.hello
         if hello.protocol_version != PROTOCOL_VERSION:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
+            await self._end_stream(
+                context, grpc.StatusCode.FAILED_PRECONDITION,
                 f"site speaks protocol {hello.protocol_version}, this server {PROTOCOL_VERSION}: run the same dadfl version",
             )
         if not re.fullmatch(SITE_ID_PATTERN, hello.site_id):  # checked before the id reaches a log line or a message
             log.warning("refused a hello from %s: site id %s is not a valid site id", context.peer(), printable(hello.site_id))
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the site id must be {SITE_ID_RULE}")
+            await self._end_stream(context, grpc.StatusCode.INVALID_ARGUMENT, f"the site id must be {SITE_ID_RULE}")
         if first.ByteSize() > MAX_HANDSHAKE_MESSAGE_BYTES:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
+            await self._end_stream(
+                context, grpc.StatusCode.INVALID_ARGUMENT,
                 f"hello message of {first.ByteSize()} bytes; at most {MAX_HANDSHAKE_MESSAGE_BYTES} (a token `dadfl enroll` issues has 43 characters)",
             )
         try:
@@ -297,10 +349,10 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             check_client_certificate(context, Path(self.config.listen.tokens), hello.site_id, self.config.listen.require_client_cert)
         except EnrolmentError as exc:
             log.warning("refused %s from %s: %s", hello.site_id, context.peer(), exc)
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED if exc.unknown else grpc.StatusCode.PERMISSION_DENIED, str(exc))
+            await self._end_stream(context, grpc.StatusCode.UNAUTHENTICATED if exc.unknown else grpc.StatusCode.PERMISSION_DENIED, str(exc))
         except ValueError as exc:  # the tokens file was damaged after the server started
             log.error("cannot check the token of site %s: %s", hello.site_id, exc)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server cannot read its tokens file; its operator must fix it")
+            await self._end_stream(context, grpc.StatusCode.UNAVAILABLE, "the server cannot read its tokens file; its operator must fix it")
         try:
             quarantined = self.quarantine.refusal(hello.site_id)
         except ValueError as exc:  # the operator's file is unreadable: admit no one until it is fixed
@@ -308,19 +360,17 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             quarantined = f"the coordinator cannot read its quarantine list: {exc}"
         if quarantined:
             log.warning("refused %s: quarantined", hello.site_id)
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, quarantined)
+            await self._end_stream(context, grpc.StatusCode.PERMISSION_DENIED, quarantined)
         await context.write(cpb.ServerMessage(config=self.run_config()))
-        if self.finished:  # a late site still gets the final model
-            await self._tell_finished(context, hello.site_id)
-            return None
+        # Even when the run is over: the site writes its ready, which must not meet a closed stream.
         ready = (await self._read_one(context, "ready", HANDSHAKE_TIMEOUT_S, hello.site_id)).ready
         if ready.layout_fingerprint != self.layout.fingerprint():
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
+            await self._end_stream(
+                context, grpc.StatusCode.FAILED_PRECONDITION,
                 f"site {hello.site_id} built model layout {one_line(ready.layout_fingerprint, 64)} but the server has "
                 f"{self.layout.fingerprint()}: site and server must run the same dadfl, torch and workload code",
             )
-        if self.finished:  # the last step ended while the site built its replica
+        if self.finished:  # a late site still gets the final model
             await self._tell_finished(context, hello.site_id)
             return None
         link = SiteLink(
@@ -349,32 +399,35 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         try:
             message = await asyncio.wait_for(context.read(), timeout)
         except asyncio.TimeoutError:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"no {expected} message within {timeout:.0f} s")
+            await self._end_stream(context, grpc.StatusCode.DEADLINE_EXCEEDED, f"no {expected} message within {timeout:.0f} s")
         except DecodeError:
             log.warning("%s sent bytes that are not a dadfl message instead of its %s; refused", who, expected)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"expected a {expected} message, got bytes that are not a dadfl message")
+            await self._end_stream(context, grpc.StatusCode.INVALID_ARGUMENT, f"expected a {expected} message, got bytes that are not a dadfl message")
         if message is grpc.aio.EOF or message.WhichOneof("kind") != expected:
             got = "end of stream" if message is grpc.aio.EOF else message.WhichOneof("kind") or "an empty message"
             if site_id and message is grpc.aio.EOF:
                 log.warning("site %s closed its stream instead of sending %s (it refused the run config or its data: see its log)", site_id, expected)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"expected a {expected} message, got {got}")
+            await self._end_stream(context, grpc.StatusCode.INVALID_ARGUMENT, f"expected a {expected} message, got {got}")
         if expected != "hello" and message.ByteSize() > MAX_HANDSHAKE_MESSAGE_BYTES:  # a hello: after its site id check
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
+            await self._end_stream(
+                context, grpc.StatusCode.INVALID_ARGUMENT,
                 f"{expected} message of {message.ByteSize()} bytes; at most {MAX_HANDSHAKE_MESSAGE_BYTES}",
             )
         return message
 
     async def _read_site(self, link: SiteLink, context) -> None:
         assembler = PayloadAssembler(self.config.wire.max_payload_bytes)
+        ahead = False  # the payload being received belongs to a later step than the one under way
         try:
             while not link.closed:
                 message = await context.read()
                 if message is grpc.aio.EOF:
                     link.gone("the site closed its stream")
                     break
-                link.wire_up += wire_size(message)
                 kind = message.WhichOneof("kind")
+                if kind == "chunk" and message.chunk.HasField("header"):
+                    ahead = message.chunk.header.step > self.step  # an upload that began the next step by itself
+                link.count_up(wire_size(message), ahead and kind == "chunk")
                 if not link.admitted:
                     link.close(
                         grpc.StatusCode.INVALID_ARGUMENT,
@@ -386,6 +439,13 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                     if revoked := self.enrolment.revocation(link.site_id, link.token_hash):
                         link.close(grpc.StatusCode.PERMISSION_DENIED, revoked)
                         break
+                if message.HasField("previous_done"):  # a site that began the next step by itself
+                    if kind != "chunk":
+                        link.close(grpc.StatusCode.INVALID_ARGUMENT, f"site {link.site_id} sent previous_done with a {kind or 'empty'} message (only with a chunk)")
+                        break
+                    link.deliver(done_event(message.previous_done))
+                    if link.closed:
+                        break
                 if kind == "chunk":
                     try:
                         assembled = assembler.feed(message.chunk)
@@ -395,8 +455,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                     if assembled is not None:
                         link.deliver(Upload(assembled))
                 elif kind == "step_done":
-                    done = message.step_done
-                    link.deliver(Done(done.step, done.attempt, done.fingerprint, done.eval if done.HasField("eval") else None))
+                    link.deliver(done_event(message.step_done))
                 elif kind == "sync_request":
                     if refusal := link.sync_refusal():
                         link.close(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
@@ -414,16 +473,17 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         finally:
             link.finish()
 
-    def _send(self, link: SiteLink, *messages: cpb.ServerMessage) -> None:
-        link.wire_down += sum(wire_size(m) for m in messages)
+    def _send(self, link: SiteLink, *messages: Encoded) -> None:
+        link.wire_down += sum(m.wire_size() for m in messages)
+        link.messages_down += len(messages)
         link.send(*messages)
 
-    def _state_messages(self) -> list[cpb.ServerMessage]:
+    def _state_messages(self) -> list[Encoded]:
         chunks = encode_payload(
             state_payload(self.replica, self.step), chunk_bytes=self.config.wire.chunk_bytes, kind=pb.STATE,
             base_fingerprint=self.fingerprint,
         )
-        return [cpb.ServerMessage(chunk=c) for c in chunks]
+        return [Encoded.of(cpb.ServerMessage(chunk=c)) for c in chunks]
 
     # ------------------------------------------------------------------ the step loop
 
@@ -439,6 +499,8 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                     steps = self.step
                     break
                 attempt, failures = 0, 0
+                going_on, went_ahead = self.going_on, self.went_ahead
+                self.going_on, self.went_ahead = set(), set()
                 while True:
                     if attempt and self.privacy and (reason := self.privacy.stop_reason()):  # the aborted attempt's release counted
                         raise RunStopped(f"step {self.step} cannot be retried: {reason}")
@@ -446,10 +508,13 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                     participants = await self._quorum(need)
                     started = time.perf_counter()
                     self.step_refusals = set()
-                    result = await self._run_step(participants, attempt)
+                    reset = self._strategy_state_reset(participants)
+                    if reset:  # what went ahead began from the halves before the reset
+                        going_on = set()
+                    result = await self._run_step(participants, attempt, reset, going_on, went_ahead)
                     if result is not None:
                         break
-                    attempt += 1
+                    attempt, going_on, went_ahead = attempt + 1, set(), set()  # what went ahead answers attempt 0
                     # An abort caused by a refused site is that site's doing: it is dropped
                     # (and quarantined when it persists); only the others can stop the run.
                     if not self.step_refusals:
@@ -463,7 +528,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         for link in list(self.links.values()):
             if not link.admitted:  # joined during the last step: send it the final model
                 self._send(link, *self._state_messages())
-            self._send(link, cpb.ServerMessage(finished=cpb.Finished(reason=f"run {self.run_id} finished after {steps} steps")))
+            self._send(link, Encoded.of(cpb.ServerMessage(finished=cpb.Finished(reason=f"run {self.run_id} finished after {steps} steps"))))
             link.finish()
             self.told_finished.add(link.site_id)
         log.info("run %s finished: %d steps, model in %s", self.run_id, steps, self.run_dir / checkpoint.FINAL_MODEL)
@@ -514,16 +579,27 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                 self.known_sites.add(link.site_id)
         return live
 
-    async def _run_step(self, participants: list[SiteLink], attempt: int) -> StepResult | None:
-        """All phases of one step; None when it was aborted (the server applied nothing)."""
+    async def _run_step(
+        self, participants: list[SiteLink], attempt: int, reset: bool, going_on: set[SiteLink], went_ahead: set[SiteLink],
+    ) -> StepResult | None:
+        """All phases of one step; None when it was aborted (the server applied nothing).
+
+        ``went_ahead``: the sites that began this step by themselves (attempt 0) when they
+        applied the last one; ``going_on``: those of them whose uploads it takes. The other
+        participants get a ``step_begin``; a site that went ahead but gets one has its
+        upload that went ahead dropped (``SiteLink.stale_step``)."""
         step, min_sites = self.step, self.config.federation.min_sites
-        reset = self._strategy_state_reset(participants)
-        begin = cpb.ServerMessage(step_begin=cpb.StepBegin(
+        begin = Encoded.of(cpb.ServerMessage(step_begin=cpb.StepBegin(
             step=step, fingerprint=self.fingerprint, reset_strategy_state=reset, attempt=attempt,
             checkpoint_step=self.checkpoint_step,
-        ))
+        )))
         for link in participants:
-            self._send(link, begin)
+            if link not in going_on:
+                link.stale_step = step if link in went_ahead else None
+                self._send(link, begin)
+        going_next = cpb.StepNext(checkpoint_step=step + 1 if self._checkpoints_after(step) else self.checkpoint_step)
+        if step + 1 == self.config.training.steps:
+            going_next = None  # the last step: sites report it done on its own
         active, messages, phase_seconds = participants, [], []
         samples, loss_sum, bytes_up, bytes_down = 0, 0.0, 0, 0
         update: dict = {}  # decoded from the messages so far, checked before each was sent
@@ -576,7 +652,9 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                 loss_sum = sum(u.header.loss_sum for _, u in uploads)
             chunks = encode_payload(message, self.codec, self.config.wire.chunk_bytes, kind=pb.PHASE, attempt=attempt)
             messages.append(sent)  # what every site decodes
-            wire = [cpb.ServerMessage(chunk=chunk) for chunk in chunks]
+            # Serialised once for every site. Every phase's message says that the next step
+            # follows by itself: only the site's half knows which phase is its last.
+            wire = [Encoded.of(cpb.ServerMessage(chunk=chunk, next=going_next if i == 0 else None)) for i, chunk in enumerate(chunks)]
             for link in active:
                 self._send(link, *wire)
             bytes_down += chunks[0].header.total_bytes * len(active)
@@ -735,6 +813,11 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         header_step = (event.step, event.attempt) if isinstance(event, Done) else (event.payload.header.step, event.payload.header.attempt)
         if header_step < (step, attempt):
             return SKIP  # an answer to an aborted attempt: the site has moved on
+        if isinstance(event, Upload) and header_step == (step + 1, 0):
+            return SKIP  # the next step begun by itself, but this step was aborted or restarted: it begins again
+        if isinstance(event, Upload) and header_step == (link.stale_step, 0):
+            link.stale_step = None
+            return SKIP  # this step begun by itself, but the site got a step_begin: it computes it again
         if isinstance(event, Done):
             if phase == 0:
                 link.close(grpc.StatusCode.INVALID_ARGUMENT, f"site {link.site_id} reported step {step} done before uploading its phase 0 payload")
@@ -749,7 +832,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
 
     def _abort(self, links: list[SiteLink], step: int, attempt: int, reason: str) -> None:
         log.warning("step %d attempt %d aborted: %s", step, attempt, reason)
-        abort = cpb.ServerMessage(step_abort=cpb.StepAbort(step=step, reason=reason))
+        abort = Encoded.of(cpb.ServerMessage(step_abort=cpb.StepAbort(step=step, reason=reason)))
         for link in links:
             if not link.closed:
                 self._send(link, abort)
@@ -784,10 +867,16 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         for link in result.participants:
             if link.site_id in result.site_fingerprints:  # it saved its half's state before reporting done
                 link.state_steps = frozenset({self.step})
+        if self.step < steps:  # the message said `next`: every participant has begun the next step by itself
+            self.went_ahead = set(result.participants)
+            # Those whose weights differed began from the wrong ones: they get a step_begin (and the state).
+            self.going_on = {link for link in result.participants if link.site_id not in mismatched}
         wire_up = {link.site_id: link.wire_up for link in result.participants}
         wire_down = {link.site_id: link.wire_down for link in result.participants}
+        messages_up = {link.site_id: link.messages_up for link in result.participants}
+        messages_down = {link.site_id: link.messages_down for link in result.participants}
         for link in result.participants:
-            link.wire_up = link.wire_down = 0
+            link.next_step_counts()
         record = {
             "strategy": self.label,
             "step": step,
@@ -802,6 +891,9 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             "wire_bytes_down": sum(wire_down.values()),
             "wire_bytes_up_by_site": wire_up,
             "wire_bytes_down_by_site": wire_down,
+            # gRPC messages: one each way per phase and site once steps follow by themselves
+            "wire_messages_up_by_site": messages_up,
+            "wire_messages_down_by_site": messages_down,
             "phase_seconds": result.phase_seconds,
             "site_ids": [link.site_id for link in result.participants],
             "attempt": attempt,
@@ -819,14 +911,18 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                 scores = await asyncio.to_thread(self.replica.evaluate)
                 record.update({f"test_{k}": v for k, v in scores.items()})
         metrics.write(record)
-        every = self.config.training.checkpoint_every
-        if (every and (step + 1) % every == 0) or step + 1 == steps or (self.privacy and self.privacy.stop_reason()):
+        if self._checkpoints_after(step) or (self.privacy and self.privacy.stop_reason()):
             await asyncio.to_thread(
                 checkpoint.save_checkpoint, self.run_dir, self.replica, self.step, self.run_id, self.identity,
                 {**self.half_at_step_start, **(self.privacy.state_dict() if self.privacy else {})},
             )
             self.checkpoint_step = self.step
         return record
+
+    def _checkpoints_after(self, step: int) -> bool:
+        """Whether the server checkpoints once ``step`` is committed."""
+        every, steps = self.config.training.checkpoint_every, self.config.training.steps
+        return bool(every and (step + 1) % every == 0) or step + 1 == steps
 
     def _checked_evals(self, reports: dict) -> dict[str, SiteEval]:
         """The sites' evaluation reports that pass the checks; the others are logged and left out."""

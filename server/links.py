@@ -5,16 +5,18 @@ into ``inbox`` as events and writes whatever the step loop puts into ``outbox``.
 event also puts its link into ``arrivals``, a queue shared by all links, so the step
 loop takes events in the order they arrive with a single wait (rather than one waiting
 task per site). The step loop never touches gRPC objects; it closes a link (with a
-status and a reason the site will see) to drop a site.
+status and a reason the site will see) to drop a site. What it sends is serialised once
+(:class:`Encoded`): a broadcast is the same bytes in every site's outbox.
 
 What a site can make the coordinator hold is bounded (a site over a bound is dropped
 with RESOURCE_EXHAUSTED and the reason):
 
 - inbox: at most ``MAX_QUEUED_EVENTS`` events and ``max_queued_bytes`` of uploads waiting
   for the step loop (an honest site has at most one upload waiting);
-- outbox: a site may lag at most one step behind in reading what the server sends: when
-  a step begins, nothing queued before the previous step's begin may still be waiting
-  (an honest site has read it all before it could report that step done);
+- outbox: a site may lag at most one round behind in reading what the server sends: when
+  a round starts (a ``step_begin``, or a phase message that lets the next step follow by
+  itself), nothing queued before the previous round's start may still be waiting (an
+  honest site has read it all before it could answer that round);
 - state resends: at most one per step (per ``step_begin``) and ``sync_per_minute`` per minute.
 """
 
@@ -59,6 +61,29 @@ class Closed:
 
 
 Event = Upload | Done | SyncRequest | Closed
+
+
+GRPC_FRAME_BYTES = 5  # length prefix of every gRPC message
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A server message serialised once; the stream writes these bytes as they are."""
+
+    data: bytes
+    starts_round: bool  # a step_begin, or a phase message after which the next step may follow by itself
+
+    @classmethod
+    def of(cls, message: cpb.ServerMessage) -> "Encoded":
+        return cls(message.SerializeToString(), message.WhichOneof("kind") == "step_begin" or message.HasField("next"))
+
+    def wire_size(self) -> int:
+        return len(self.data) + GRPC_FRAME_BYTES
+
+
+def serialize_response(message: Encoded | cpb.ServerMessage) -> bytes:
+    """The response serialiser of the Join stream: encoded messages go out as they are."""
+    return message.data if isinstance(message, Encoded) else message.SerializeToString()
 
 
 @dataclass(frozen=True)
@@ -107,15 +132,15 @@ class Inbox:
 
 
 class Outbox:
-    """What the server sends a site, tagged with the number of step begins queued before it."""
+    """What the server sends a site, tagged with the number of round starts queued before it."""
 
     def __init__(self):
         self.items: deque[tuple[int, object]] = deque()
         self.ready = asyncio.Event()
-        self.steps = 0  # step_begin messages queued so far
+        self.steps = 0  # round starts queued so far (Encoded.starts_round)
 
     def put(self, item) -> None:
-        if isinstance(item, cpb.ServerMessage) and item.WhichOneof("kind") == "step_begin":
+        if isinstance(item, Encoded) and item.starts_round:
             self.steps += 1
         self.items.append((self.steps, item))
         self.ready.set()
@@ -127,7 +152,7 @@ class Outbox:
         self.ready.set()
 
     def lagging(self) -> bool:
-        """Whether something queued before the previous step's begin is still waiting."""
+        """Whether something queued before the previous round's start is still waiting."""
         return bool(self.items) and self.items[0][0] < self.steps - 1
 
     async def get(self):
@@ -150,14 +175,31 @@ class SiteLink:
     admitted: bool = False  # has received the current state and takes part in steps
     closed: bool = False
     pending_write: asyncio.Timeout | None = None  # a write under way; closing fires it, so a site that does not read is dropped
-    wire_up: int = 0  # bytes of every message received / sent, gRPC framing included
+    wire_up: int = 0  # bytes of every message received / sent in this step, gRPC framing included
     wire_down: int = 0
+    messages_up: int = 0  # gRPC messages received / sent in this step
+    messages_down: int = 0
+    stale_step: int | None = None  # its first upload for (this step, attempt 0) went ahead and is dropped
+    ahead_up: tuple[int, int] = (0, 0)  # (bytes, messages) of uploads for the next step, which began by itself
     state_steps: frozenset[int] = frozenset()  # steps at whose start the site can restore its strategy half
     sync_step: int = -1  # outbox.steps when the state was last resent
     sync_times: deque = field(default_factory=deque)
 
     def __post_init__(self) -> None:
         self.inbox = Inbox(self.max_queued_bytes)
+
+    def count_up(self, nbytes: int, next_step: bool) -> None:
+        """A message received: this step's traffic, or the next step's when it is that step's upload."""
+        if next_step:
+            self.ahead_up = (self.ahead_up[0] + nbytes, self.ahead_up[1] + 1)
+        else:
+            self.wire_up += nbytes
+            self.messages_up += 1
+
+    def next_step_counts(self) -> None:
+        """The step was committed: count from zero, with what already arrived for the next one."""
+        (self.wire_up, self.messages_up), self.ahead_up = self.ahead_up, (0, 0)
+        self.wire_down = self.messages_down = 0
 
     def deliver(self, event: Event) -> None:
         if not isinstance(event, Closed) and (reason := self.inbox.overflow(event)):
@@ -166,11 +208,11 @@ class SiteLink:
         self.inbox.put(event)
         self.arrivals.put_nowait(self)
 
-    def send(self, *messages: cpb.ServerMessage) -> None:
+    def send(self, *messages: Encoded | cpb.ServerMessage) -> None:
         if self.closed:
             return
         for message in messages:
-            self.outbox.put(message)
+            self.outbox.put(message if isinstance(message, Encoded) else Encoded.of(message))
         if self.outbox.lagging():
             self.close(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -11,12 +11,13 @@ from typing import Callable
 import grpc
 import torch
 
-from dadfl.protos import coordinator_pb2_grpc as cpb_grpc
+from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.protos.channel import channel_options
 
 from .config import ServerConfig
 from .coordinator import Coordinator
 from .enrol import check_tokens_file
+from .links import serialize_response
 
 log = logging.getLogger("dadfl.server")
 
@@ -39,7 +40,7 @@ async def serve(config: ServerConfig, insecure: bool = False, on_listening: Call
     log.info("%d site(s) enrolled in %s", enrolled, config.listen.tokens)
     coordinator = Coordinator(config)
     server = grpc.aio.server(options=channel_options(config.wire.chunk_bytes))
-    cpb_grpc.add_CoordinatorServicer_to_server(coordinator, server)
+    add_coordinator(coordinator, server)
     address = config.listen.address
     port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if port == 0:
@@ -57,6 +58,15 @@ async def serve(config: ServerConfig, insecure: bool = False, on_listening: Call
     finally:
         endpoint_file.unlink(missing_ok=True)
         await server.stop(STOP_GRACE_S)
+
+
+def add_coordinator(coordinator: Coordinator, server: grpc.aio.Server) -> None:
+    """Register the Join stream; its responses may be bytes already serialised (``links.Encoded``),
+    which is how one broadcast is serialised once for every site."""
+    handler = grpc.stream_stream_rpc_method_handler(
+        coordinator.Join, request_deserializer=cpb.SiteMessage.FromString, response_serializer=serialize_response
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("dadfl.v1.Coordinator", {"Join": handler}),))
 
 
 def run_server(config: ServerConfig, insecure: bool = False) -> None:

@@ -6,6 +6,8 @@ gets past the door) joins again and again, each time sending one kind of bad inp
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 import torch
@@ -116,12 +118,8 @@ def federation(tmp_path_factory):
 
 def attack(attacker, change_payload=lambda p: p, change_chunks=lambda c: c) -> grpc.RpcError:
     AttackerSession.attack = (change_payload, change_chunks)
-    channel = grpc.insecure_channel(attacker.config.connect.server)
-    try:
-        with pytest.raises(grpc.RpcError) as caught:
-            attacker.connect_once(channel)
-    finally:
-        channel.close()
+    with pytest.raises(grpc.RpcError) as caught:
+        asyncio.run(attacker.join(insecure=True))
     return caught.value
 
 
@@ -191,10 +189,8 @@ def test_wrong_layout_fingerprint_is_refused(federation, monkeypatch):
             return super().handle(message)
 
     monkeypatch.setattr(site_module, "Session", WrongLayout)
-    channel = grpc.insecure_channel(attacker.config.connect.server)
     with pytest.raises(grpc.RpcError) as caught:
-        attacker.connect_once(channel)
-    channel.close()
+        asyncio.run(attacker.join(insecure=True))
     assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "built model layout 0123456789abcdef" in caught.value.details()
 

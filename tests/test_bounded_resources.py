@@ -17,7 +17,7 @@ import pytest
 import dadfl.client.site as site_module
 from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.protos import coordinator_pb2_grpc as cpb_grpc
-from dadfl.protos.channel import channel_options
+from dadfl.protos.channel import PROTOCOL_VERSION, channel_options
 from dadfl.server.coordinator import RunStopped
 from dadfl.server.links import MAX_QUEUED_EVENTS, Done, SiteLink
 from network_helpers import ServerThread, SiteThread, server_config, site_config
@@ -55,7 +55,9 @@ def test_sync_flood_gets_one_resend_then_resource_exhausted(tmp_path, monkeypatc
     server = ServerThread(config).start()
     honest = SiteThread(site_config(tmp_path, "honest", server.endpoint, 0, 2)).start()
     flooder = SiteThread(site_config(tmp_path, FLOODER, server.endpoint, 1, 2)).start()
-    assert honest.join(60).steps == 60
+    # The flood comes as the flooder begins step 3 by itself, before its done of step 2: that
+    # step aborts without it and the honest site applies it once more.
+    assert honest.join(60).steps in (60, 61)
     summary = flooder.join(60)
     server.join(30)
     assert caplog.text.count("flooder has weights") == 1, "one state resend for the whole flood"
@@ -94,7 +96,7 @@ def test_site_that_stops_reading_is_dropped_while_a_write_waits(tmp_path, caplog
     channel = grpc.insecure_channel(server.endpoint, options=channel_options(4 << 20))
     try:
         responses = cpb_grpc.CoordinatorStub(channel).Join(iter(outgoing.get, None))
-        outgoing.put(cpb.SiteMessage(hello=cpb.Hello(site_id="stuck", token=token, protocol_version=1)))
+        outgoing.put(cpb.SiteMessage(hello=cpb.Hello(site_id="stuck", token=token, protocol_version=PROTOCOL_VERSION)))
         fingerprint = next(responses).config.layout_fingerprint
         outgoing.put(cpb.SiteMessage(ready=cpb.Ready(layout_fingerprint=fingerprint)))
         deadline = time.monotonic() + 30

@@ -11,6 +11,7 @@ runtime matches bit for bit).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import subprocess
@@ -24,7 +25,6 @@ import torch
 
 import dadfl.client.site as site_module
 from dadfl.metrics import MetricsWriter, read_metrics
-from dadfl.protos.channel import channel_options
 from dadfl.replica import OptimizerConfig
 from dadfl.server.enrol import enroll
 from dadfl.simulation import SimulationConfig, StrategySpec, simulate
@@ -149,9 +149,8 @@ class MaliciousSession(site_module.Session):
 def attack(site: site_module.Site, ledger: Ledger) -> None:
     """Rejoin after every refusal until quarantined or the run is over."""
     for _ in range(200):
-        channel = grpc.insecure_channel(site.config.connect.server, options=channel_options(4 << 20))
         try:
-            if site.connect_once(channel):
+            if asyncio.run(site.join(insecure=True)):
                 return
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.PERMISSION_DENIED:
@@ -160,8 +159,6 @@ def attack(site: site_module.Site, ledger: Ledger) -> None:
             if ledger.pending is not None:
                 ledger.refused.setdefault(ledger.pending, exc.details())
                 ledger.pending = None
-        finally:
-            channel.close()
 
 
 STRATEGIES = [

@@ -42,4 +42,9 @@ def test_processes_train_exactly_like_the_in_process_simulation(tmp_path, spec):
             assert net[key] == mem[key], key
         assert net.get("test_accuracy") == mem.get("test_accuracy")
         assert net["wire_bytes_up"] > net["bytes_up"] and len(net["wire_bytes_up_by_site"]) == 3
+        if 0 < net["step"] < 5:  # step 0 adds the state and step_begin, the last step a step_done of its own
+            # One round trip per phase: each site's upload of this step went with the done of
+            # the step before; the server's message of the last phase started the next step.
+            phases = len(net["phase_seconds"])
+            assert net["wire_messages_down_by_site"] == net["wire_messages_up_by_site"] == dict.fromkeys(net["site_ids"], phases)
     assert summary["metric"] == reference["metric"] and summary["bytes_up"] == reference["bytes_up"]

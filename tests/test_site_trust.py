@@ -31,7 +31,7 @@ from dadfl.client.data_checks import DataMismatch
 from dadfl.client.run_checks import RunRefused, build_workload, check_run_config, workload_allowed
 from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.protos import coordinator_pb2_grpc as cpb_grpc
-from dadfl.protos.channel import channel_options
+from dadfl.protos.channel import PROTOCOL_VERSION, channel_options
 from dadfl.server.enrol import enroll, write_tokens
 from network_helpers import ServerThread, SiteThread, free_port, server_config, site_config, write_toml
 
@@ -421,11 +421,15 @@ def test_hostile_hellos_and_garbage_get_error_statuses_and_clean_log_lines(tmp_p
     caplog.set_level("INFO")
     config = server_config(tmp_path, training={"steps": 2}, federation={"min_sites": 1, "quorum_timeout_s": 30, "linger_s": 0})
     server = ServerThread(config).start()
-    forged = raw_join(server.endpoint, iter([cpb.SiteMessage(hello=cpb.Hello(site_id="a\nWARNING forged", token="x", protocol_version=1))]))
-    huge = raw_join(server.endpoint, iter([cpb.SiteMessage(hello=cpb.Hello(site_id="b" * 65536, token="x", protocol_version=1))]))
+    forged = raw_join(server.endpoint, iter([cpb.SiteMessage(hello=cpb.Hello(site_id="a\nWARNING forged", token="x", protocol_version=PROTOCOL_VERSION))]))
+    huge = raw_join(server.endpoint, iter([cpb.SiteMessage(hello=cpb.Hello(site_id="b" * 65536, token="x", protocol_version=PROTOCOL_VERSION))]))
     for error in (forged, huge):
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "site id must be 1-64 letters" in error.details()
         assert "forged" not in error.details() and len(error.details()) < 200
+    # A site of the protocol before one round trip per step: refused at once, both versions named.
+    older = raw_join(server.endpoint, iter([cpb.SiteMessage(hello=cpb.Hello(site_id="hospital-a", token="x", protocol_version=PROTOCOL_VERSION - 1))]))
+    assert older.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"site speaks protocol {PROTOCOL_VERSION - 1}, this server {PROTOCOL_VERSION}" in older.details()
     garbage_first = raw_join(server.endpoint, iter([b"\xff\xfe not a protobuf"]))
     assert garbage_first.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a dadfl message" in garbage_first.details()
 
@@ -434,7 +438,7 @@ def test_hostile_hellos_and_garbage_get_error_statuses_and_clean_log_lines(tmp_p
     layout = []
 
     def after_handshake():
-        yield cpb.SiteMessage(hello=cpb.Hello(site_id="hospital-a", token=token, protocol_version=1))
+        yield cpb.SiteMessage(hello=cpb.Hello(site_id="hospital-a", token=token, protocol_version=PROTOCOL_VERSION))
         config_seen.wait(30)
         yield cpb.SiteMessage(ready=cpb.Ready(layout_fingerprint=layout[0]))
         yield b"\xff\xfe not a protobuf"

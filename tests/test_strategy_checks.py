@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import functools
 import math
+import random
+import statistics
 
 import pytest
 import torch
 
 from dadfl.server.quarantine import Quarantine
 from dadfl.strategies import Payload, local_step, make_strategy
-from dadfl.strategies.checks import ModelFacts, factor_sq_norm, influence_outliers, low_rank_sq_norm
+from dadfl.strategies.checks import ModelFacts, factor_sq_norm, influence_outliers, low_rank_sq_norm, medians_of_the_others
 from dadfl.strategies.layout import Layout
 from dadfl.workloads import load_workload
 
@@ -147,3 +149,16 @@ def test_quarantine_file_is_the_operators_switch(tmp_path):
     (tmp_path / "quarantine.json").write_text("{}")  # the operator re-admits it
     assert again.refusal("site-a") is None and quarantine.refusal("site-a") is None
     assert not quarantine.refuse("site-a", 9, "bad upload")  # counting starts over
+
+
+def test_medians_of_the_others_match_the_median_taken_one_site_at_a_time():
+    """The influence bound's one-sort medians equal statistics.median over the other sites,
+    ties and an even or odd count included (and a NaN, which takes the direct route)."""
+    rng = random.Random(0)
+    for trial in range(500):
+        values = [rng.choice([1.0, 2.0, 3.0, rng.random(), rng.random() * 100]) for _ in range(rng.randint(3, 12))]
+        if trial % 25 == 0:
+            values[rng.randrange(len(values))] = math.nan
+        expected = [statistics.median(v for j, v in enumerate(values) if j != i) for i in range(len(values))]
+        got = medians_of_the_others(values)
+        assert all(a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip(got, expected)), (values, got, expected)
