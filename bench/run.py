@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     results = analyse(out, settings, size_sweep=name == "full")
     json_path, csv_path = write_results(results, out)
     command = "python -m bench.run" + {"smoke": "", "full": " --full --jobs 2"}.get(name, f" --preset {name} --jobs 2")
-    command += "".join(f" --{flag} {value}" for flag, value in (("workloads", args.workloads), ("seeds", args.seeds)) if value)
+    command += "".join(f" --{flag} {value}" for flag, value in (("workloads", args.workloads), ("seeds", args.seeds), ("parts", args.parts)) if value)
     left_out = [s.key for s in preset if s.key not in {chosen.key for chosen in settings}]
     minutes = None if args.report_only else (time.perf_counter() - started) / 60
     report = write_report(
