@@ -43,15 +43,15 @@ GOAL_ECHO_ROUNDS = 1.5
 WARMUP = 20
 
 
-def tiny_workload():
-    """Linear 4 -> 2 on 64 random samples: compute and payloads close to nothing."""
+def tiny_workload(samples: int = 64):
+    """Linear 4 -> 2 on ``samples`` random samples: compute and payloads close to nothing."""
     import torch
     from torch import nn
 
     from dadfl.workloads import Split, Workload
 
     g = torch.Generator().manual_seed(0)
-    inputs, targets = torch.randn(64, 4, generator=g), torch.randint(0, 2, (64,), generator=g)
+    inputs, targets = torch.randn(samples, 4, generator=g), torch.randint(0, 2, (samples,), generator=g)
 
     def build():
         with torch.random.fork_rng(devices=[]):

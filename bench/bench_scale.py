@@ -48,6 +48,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))  # `python bench/bench_scale.py`: the bench package next to this file
 
+from bench.bench_overhead import tiny_workload as tiny_linear  # noqa: E402
 from bench.coordinator_process import rss_kib, start_coordinator  # noqa: E402
 
 WORKLOAD = "bench_scale:tiny_workload"
@@ -58,29 +59,8 @@ RUN_TIMEOUT_S = 1800.0
 
 
 def tiny_workload(sites: int = 1):
-    """Linear 4 -> 2 on ``16 * sites`` random samples (every site gets 16)."""
-    import torch
-    from torch import nn
-
-    from dadfl.workloads import Split, Workload
-
-    g = torch.Generator().manual_seed(0)
-    n = SAMPLES_PER_SITE * sites
-    inputs, targets = torch.randn(n, 4, generator=g), torch.randint(0, 2, (n,), generator=g)
-
-    def build():
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            return nn.Linear(4, 2)
-
-    return Workload(
-        name="tiny",
-        build_model=build,
-        train=Split(inputs, targets),
-        test=Split(inputs[:0], targets[:0]),
-        loss=lambda out, y: nn.functional.cross_entropy(out, y, reduction="none"),
-        metric=lambda out, y: float((out.argmax(-1) == y).float().mean()),
-    )
+    """The overhead benchmark's Linear 4 -> 2, on ``16 * sites`` random samples (every site gets 16)."""
+    return tiny_linear(SAMPLES_PER_SITE * sites)
 
 
 def cpu_seconds(pid: int) -> float:
