@@ -15,6 +15,16 @@ run with the mode active), wherever the call happens. Δ comes from a tensor hoo
 call's own output, so a forward hook that replaces a module's output, in-place ops and
 reuse are all seen correctly. Which captures are trustworthy is decided once, by the
 probe in ``layout.py``; a step whose calls do not match the layout sends that layer dense.
+
+**Per-sample calls** (only for clipping, ``privacy.py``): the parameters no layer covers are
+followed too, with every use of them (and of their views) noted. Two call forms give each
+sample's gradient from the call's output gradient δ alone. ``F.layer_norm`` with affine
+parameters: y = x̂ ⊙ w + b with x̂ the normalised input, so sample i's gradient is
+Σ_{rows of i} δ ⊙ x̂ for w and Σ_{rows of i} δ for b (x̂ is recorded in the forward). An
+addition y = a + p of a parameter (or a view of one, such as ``position[:T]``) to a batched
+activation: p is broadcast over the batch, so sample i's gradient is δ_i summed down to p's
+shape, scattered to the parameter's elements the view reads. Any other use of such a
+parameter in a step leaves its per-sample gradient to autograd.
 """
 
 from __future__ import annotations
@@ -46,6 +56,9 @@ DEFAULTS = {
     "padding_idx": None, "max_norm": None, "norm_type": 2.0, "scale_grad_by_freq": False, "sparse": False,
 }
 LOOKUP = "embedding"
+LAYER_NORM = "layer_norm"
+ADDITION = "add"
+ADDITIONS = (torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__)
 
 
 def _opened(func: Callable) -> Callable:
@@ -83,6 +96,21 @@ class Call:
     lead: int | None = None
 
 
+@dataclass
+class SampleCall:
+    """One per-sample call (see the module doc) of parameters no layer covers: its output's
+    δ after backward gives each sample's gradient of ``targets``."""
+
+    kind: str  # LAYER_NORM or ADDITION
+    # (parameter name, role, flat indices of the parameter's elements it reads; None: all, in order);
+    # role: "weight" or "bias" of a layer_norm, "added" for an addition.
+    targets: tuple[tuple[str, str, torch.Tensor | None], ...]
+    lead: int  # the output's leading dimension (the batch, when batch-first)
+    shape: tuple[int, ...]  # layer_norm: normalized_shape; addition: the added tensor's shape, padded to the output's rank
+    normalized: torch.Tensor | None = None  # layer_norm's x̂
+    delta: torch.Tensor | None = None  # the output's gradient once backward has run
+
+
 class CallRecorder(TorchFunctionMode):
     """Records the calls on the given parameters during a forward pass.
 
@@ -91,9 +119,18 @@ class CallRecorder(TorchFunctionMode):
     ``uses`` names, per parameter, the other functions whose differentiable results read it
     (``torch.Tensor.t`` for a decoder's ``F.linear(z, W.t())``); views of a parameter are
     followed to where they are used.
+
+    ``sample_params`` (clipping only): parameters whose per-sample calls are recorded in
+    ``sample_calls``; ``sample_other_uses`` names, per such parameter, a function that read it
+    (or a view of it) otherwise, so its per-sample gradient is not theirs alone.
     """
 
-    def __init__(self, params: dict[int, tuple[str, torch.Tensor]], raw_inputs: Sequence = ()):
+    def __init__(
+        self,
+        params: dict[int, tuple[str, torch.Tensor]],
+        raw_inputs: Sequence = (),
+        sample_params: dict[int, tuple[str, torch.Tensor]] | None = None,
+    ):
         super().__init__()
         self.params = params  # id(parameter) -> (canonical name, parameter)
         self.raw_storages = {t.untyped_storage().data_ptr() for t in raw_inputs if torch.is_tensor(t)}
@@ -104,6 +141,10 @@ class CallRecorder(TorchFunctionMode):
         # Off while a batched (per-sample) backward runs through the same graph: its
         # cotangents are not this batch's Δ and must not replace it.
         self.keep_deltas = True
+        self.sample_params = sample_params or {}
+        self.sample_calls: dict[str, list[SampleCall]] = {}
+        self.sample_other_uses: dict[str, str] = {}
+        self._sample_views: dict[int, tuple[str, torch.Tensor, torch.Tensor]] = {}  # id -> (parameter, view, flat indices)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -118,7 +159,85 @@ class CallRecorder(TorchFunctionMode):
         captured = kind is not None and torch.is_tensor(out) and out.requires_grad and self._record(kind, args, kwargs, out)
         if not captured:
             self._note_uses(func, args, kwargs, out)
+        if self.sample_params:
+            self._follow_sample_params(func, args, kwargs, out)
         return out
+
+    def _sample_source(self, tensor) -> tuple[str, torch.Tensor | None] | None:
+        """(parameter name, flat indices read; None: all) for a followed parameter or view of one."""
+        if not torch.is_tensor(tensor):
+            return None
+        if id(tensor) in self.sample_params:
+            return self.sample_params[id(tensor)][0], None
+        if id(tensor) in self._sample_views:
+            name, _, index = self._sample_views[id(tensor)]
+            return name, index
+        return None
+
+    def _follow_sample_params(self, func, args: tuple, kwargs: dict, out) -> None:
+        """Record a per-sample call, follow a view, or note another use (module doc)."""
+        recorded = self._record_sample_call(func, args, kwargs, out)
+        used = {}
+        for value in (*args, *kwargs.values()):
+            for item in value if isinstance(value, (tuple, list)) else (value,):
+                source = self._sample_source(item)
+                if source is not None and id(item) not in recorded:
+                    used[source[0]] = item
+        if not used:
+            return
+        results = [r for r in (out if isinstance(out, (tuple, list)) else (out,)) if torch.is_tensor(r) and r.requires_grad]
+        function = torch.overrides.resolve_name(func) or repr(func)
+        for result in results:
+            base = result._base
+            if len(used) == 1 and base is not None and id(base) in self.sample_params and base.is_contiguous():
+                # A view: which of the parameter's elements it reads, in its own order.
+                offset = result.storage_offset() - base.storage_offset()
+                index = torch.arange(base.numel(), device=base.device).as_strided(result.shape, result.stride(), offset)
+                self._sample_views[id(result)] = (self.sample_params[id(base)][0], result, index.reshape(-1))
+            else:
+                for name in used:
+                    self.sample_other_uses.setdefault(name, function)
+
+    def _record_sample_call(self, func, args: tuple, kwargs: dict, out) -> set[int]:
+        """The ids of the followed tensors this call records as a per-sample call (module doc)."""
+        if not (torch.is_tensor(out) and out.requires_grad and out.dim() >= 1):
+            return set()
+        if func is F.layer_norm:
+            bound = dict(zip(("input", "normalized_shape", "weight", "bias", "eps"), args), **kwargs)
+            shape = tuple(bound["normalized_shape"]) if isinstance(bound["normalized_shape"], (tuple, list)) else (int(bound["normalized_shape"]),)
+            x = bound["input"]
+            targets = [
+                (self.sample_params[id(t)][0], role, None, t)
+                for role, t in (("weight", bound.get("weight")), ("bias", bound.get("bias")))
+                if torch.is_tensor(t) and id(t) in self.sample_params and t.dtype == out.dtype
+            ]
+            if not targets or x.dim() <= len(shape):
+                return set()
+            with torch.no_grad():
+                normalized = F.layer_norm(x.detach(), shape, None, None, bound.get("eps", 1e-5))
+            call = SampleCall(LAYER_NORM, tuple(t[:3] for t in targets), int(out.shape[0]), shape, normalized)
+        elif func in ADDITIONS and len(args) == 2 and kwargs.get("alpha", 1) == 1 and set(kwargs) <= {"alpha"}:
+            sources = [self._sample_source(a) for a in args]
+            added = [(s, a) for s, a in zip(sources, args) if s is not None]
+            if len(added) != 1 or added[0][1].dtype != out.dtype:
+                return set()
+            (name, index), tensor = added[0]
+            shape = (1,) * (out.dim() - tensor.dim()) + tuple(tensor.shape)
+            if shape[0] != 1:  # the parameter itself varies along the batch dimension
+                return set()
+            call = SampleCall(ADDITION, ((name, "added", index),), int(out.shape[0]), shape)
+            targets = [(name, "added", index, tensor)]
+        else:
+            return set()
+        for name in dict.fromkeys(t[0] for t in targets):
+            self.sample_calls.setdefault(name, []).append(call)
+
+        def record(grad: torch.Tensor) -> None:
+            if self.keep_deltas:
+                call.delta = grad.detach()
+
+        out.register_hook(record)
+        return {id(t[3]) for t in targets}
 
     def _note_uses(self, func, args: tuple, kwargs: dict, out) -> None:
         sources = {}  # parameter -> the function that made the view it is read through (None: direct)
@@ -292,10 +411,14 @@ def call_forms(calls: Sequence[Call]) -> tuple[str, ...]:
 class FactorCapture:
     """Context manager recording the calls of the layout's layers during one forward pass."""
 
-    def __init__(self, model: nn.Module, layout: Layout, raw_inputs: Sequence = ()):
+    def __init__(self, model: nn.Module, layout: Layout, raw_inputs: Sequence = (), per_sample: bool = False):
+        """``per_sample``: also follow the parameters no layer covers (module doc; clipping)."""
         params = dict(model.named_parameters())
         self.layout = layout
-        self.recorder = CallRecorder({id(params[l.weight]): (l.weight, params[l.weight]) for l in layout.layers}, raw_inputs)
+        followed = {id(params[n]): (n, params[n]) for n in layout.uncovered} if per_sample else None
+        self.recorder = CallRecorder(
+            {id(params[l.weight]): (l.weight, params[l.weight]) for l in layout.layers}, raw_inputs, followed
+        )
 
     def __enter__(self) -> "FactorCapture":
         self.recorder.__enter__()
@@ -357,12 +480,14 @@ def forward_losses(
     inputs: torch.Tensor | Sequence[torch.Tensor],
     targets: torch.Tensor,
     capture: bool = True,
+    per_sample: bool = False,
 ) -> tuple[FactorCapture, torch.Tensor]:
     """The forward pass of one site's batch with the layout's calls recorded: (recorder, one
-    loss per sample). Gradients are zeroed; nothing is backpropagated yet."""
+    loss per sample). Gradients are zeroed; nothing is backpropagated yet. ``per_sample``:
+    see ``FactorCapture``."""
     model.zero_grad(set_to_none=True)
     args = as_args(inputs)
-    recorder = FactorCapture(model, layout if capture else Layout((), (), (), ()), args)
+    recorder = FactorCapture(model, layout if capture else Layout((), (), (), ()), args, per_sample)
     with recorder:
         outputs = model(*args)
     losses = per_sample_losses(loss_fn(outputs, targets))

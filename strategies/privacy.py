@@ -24,9 +24,22 @@ B, its R rows are B blocks of R/B (batch-first). A layer whose calls are not lai
 (time-major inputs, ``nn.MultiheadAttention``'s packed projection, per-sample unbatched
 calls) — or whose factor norms did not match autograd's on the example
 (``ClipPlan.verify``, once per replica) — gets its per-sample gradients from autograd
-instead, as do parameters no capture covers (norm layers, raw ``nn.Parameter``s, biases
-not read off Δ): one batched backward (``is_grads_batched``) over the same graph, so the
-same dropout masks and the same numbers.
+instead: one batched backward (``is_grads_batched``) over the same graph, so the same
+dropout masks and the same numbers.
+
+**Parameters no layer covers** (norm layers' affine parameters, raw ``nn.Parameter``s,
+biases not read off Δ) are followed through their calls (``capture.py``, per-sample calls).
+When all of a parameter's uses are ``F.layer_norm`` calls (as weight or bias) or additions
+to a batched activation, its per-sample gradient is a reduction of recorded quantities, per
+call c and sample i:
+
+    layer_norm weight:  Σ_{rows t of i} δ_t ⊙ x̂_t      layer_norm bias:  Σ_{rows t of i} δ_t
+    y = a + p (p broadcast over the batch):  δ_i summed over the dimensions p is broadcast on
+
+summed over the calls (a view such as ``position[:T]`` adds into the elements it reads), so
+‖g_i‖² costs B·|p| and no backward. A parameter used any other way, whose rows do not lead
+with the batch, or whose norms did not match autograd's on the example (``ClipPlan.verify``)
+gets its per-sample gradients from autograd's batched backward, like the layers above.
 
 **The clipped sum.** Backpropagation is linear in the upstream gradient: the backward of
 Σ_i c_i ℓ_i gives every captured call's Δ rows of sample i scaled by c_i and every
@@ -41,6 +54,7 @@ per-sample gradient and are refused (``refuse_sample_mixing``).
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -48,7 +62,7 @@ import torch
 from torch import nn
 
 from .base import LocalResult
-from .capture import LOOKUP, Call, FactorCapture, as_args, forward_losses, local_result
+from .capture import LAYER_NORM, LOOKUP, Call, CallRecorder, FactorCapture, SampleCall, as_args, forward_losses, local_result
 from .layout import CapturedLayer, Layout
 
 log = logging.getLogger("dadfl.privacy")
@@ -101,29 +115,32 @@ def refuse_learning_buffers(model: nn.Module, example_inputs) -> None:
 
 @dataclass(frozen=True)
 class ClipPlan:
-    """The captured layers whose per-sample norms are read off their factors; the others
-    (and every uncovered parameter) get theirs from autograd. ``reasons``: why, per layer."""
+    """The captured layers whose per-sample norms are read off their factors and the
+    uncovered parameters whose norms are read off their per-sample calls; the others get
+    theirs from autograd. ``reasons``: why, per layer or parameter."""
 
     from_factors: tuple[str, ...]
     reasons: tuple[tuple[str, str], ...] = ()
+    from_calls: tuple[str, ...] = ()
 
     @classmethod
     def verify(cls, model: nn.Module, layout: Layout, example_inputs) -> "ClipPlan":
-        """Check each layer's factor norms against autograd's per-sample gradients on the
-        example (a seeded per-sample functional of the output, eval mode)."""
+        """Check each layer's factor norms, and each uncovered parameter's call norms, against
+        autograd's per-sample gradients on the example (a seeded per-sample functional of the
+        output, eval mode)."""
         refuse_sample_mixing(model)
         refuse_learning_buffers(model, example_inputs)
         was_training = model.training
         model.eval()
         try:
             with torch.enable_grad():
-                recorder = FactorCapture(model, layout, as_args(example_inputs))
+                recorder = FactorCapture(model, layout, as_args(example_inputs), per_sample=True)
                 with recorder:
                     outputs = model(*as_args(example_inputs))
                 batch = _batch_size(example_inputs)
                 if not torch.is_tensor(outputs) or outputs.dim() == 0 or outputs.shape[0] != batch or batch < 2:
                     why = "the example's output does not lead with a batch of two or more samples"
-                    return cls((), tuple((layer.module, why) for layer in layout.layers))
+                    return cls((), tuple((name, why) for name in [l.module for l in layout.layers] + list(layout.uncovered)))
                 generator = torch.Generator().manual_seed(VERIFY_SEED)
                 cotangent = torch.randn(outputs.shape, generator=generator, dtype=outputs.dtype).to(outputs.device)
                 losses = (outputs * cotangent).reshape(batch, -1).sum(dim=1)
@@ -140,19 +157,36 @@ class ClipPlan:
                         reasons.append((layer.module, "its rows cannot be matched to samples (the batch is not their leading dimension)"))
                         continue
                     names = [layer.weight] + ([layer.bias] if layer.bias else [])
-                    autograd_sq = autograd_sq_norms(losses, [params[n] for n in names], recorder)
-                    scale = float(autograd_sq.max().sqrt()) or 1.0
-                    error = float((factor_sq.sqrt() - autograd_sq.sqrt()).abs().max()) / scale
+                    error = _relative_error(factor_sq, autograd_sq_norms(losses, [params[n] for n in names], recorder))
                     if error > VERIFY_RTOL:
                         reasons.append((layer.module, f"its factor norms differ from autograd's (relative error {error:.2g})"))
                     else:
                         kept.append(layer.module)
+                from_calls = call_sq_norms(recorder.recorder, layout.uncovered, batch)
+                kept_calls = []
+                for name in layout.uncovered:
+                    if name not in from_calls:
+                        other = recorder.recorder.sample_other_uses.get(name)
+                        why = f"it is also read by {other}" if other else "its rows cannot be matched to samples"
+                        reasons.append((name, why))
+                        continue
+                    error = _relative_error(from_calls[name], autograd_sq_norms(losses, [params[name]], recorder))
+                    if error > VERIFY_RTOL:
+                        reasons.append((name, f"its call norms differ from autograd's (relative error {error:.2g})"))
+                    else:
+                        kept_calls.append(name)
         finally:
             model.zero_grad(set_to_none=True)
             model.train(was_training)
-        for module, why in reasons:
-            log.info("layer %r: per-sample norms by autograd: %s", module, why)
-        return cls(tuple(kept), tuple(reasons))
+        for name, why in reasons:
+            log.info("%r: per-sample norms by autograd: %s", name, why)
+        return cls(tuple(kept), tuple(reasons), tuple(kept_calls))
+
+
+def _relative_error(sq: torch.Tensor, reference_sq: torch.Tensor) -> float:
+    """max_i |√sq_i − √ref_i| / max_i √ref_i (1 where the reference is all zero)."""
+    scale = float(reference_sq.max().sqrt()) or 1.0
+    return float((sq.sqrt() - reference_sq.sqrt()).abs().max()) / scale
 
 
 def _batch_size(inputs) -> int:
@@ -216,6 +250,44 @@ def factor_sq_norms(layer: CapturedLayer, calls: Sequence[Call], batch: int) -> 
     return sq
 
 
+def call_sq_norms(recorder: CallRecorder, names: Sequence[str], batch: int) -> dict[str, torch.Tensor]:
+    """‖g_i‖² per sample of each named parameter whose every use this step was a per-sample
+    call with rows matched to samples (see the module doc); the others are left out."""
+    params = dict(recorder.sample_params.values())
+    result = {}
+    for name in names:
+        if name in recorder.sample_other_uses or name not in params:
+            continue
+        param = params[name]
+        total = param.detach().new_zeros(batch, param.numel())  # a call that never reached the loss adds nothing
+        for call in recorder.sample_calls.get(name, []):
+            if call.delta is None:
+                continue
+            if call.lead != batch or call.delta.shape[0] != batch:
+                break
+            for target, role, index in call.targets:
+                if target != name:
+                    continue
+                grads = _call_grads(call, role, batch)
+                if index is None:
+                    total = total + grads
+                else:  # a view: add into the elements it reads
+                    total = total.index_add(1, index, grads)
+        else:
+            result[name] = total.pow(2).sum(dim=1)
+    return result
+
+
+def _call_grads(call: SampleCall, role: str, batch: int) -> torch.Tensor:
+    """Each sample's gradient, (B, n), of the target of ``call`` in ``role`` (module doc)."""
+    if call.kind == LAYER_NORM:
+        width = math.prod(call.shape)
+        delta = call.delta.reshape(batch, -1, width)
+        per_row = delta if role == "bias" else delta * call.normalized.reshape(batch, -1, width)
+        return per_row.sum(dim=1)
+    return call.delta.sum_to_size((batch, *call.shape[1:])).reshape(batch, -1)
+
+
 def autograd_sq_norms(losses: torch.Tensor, tensors: Sequence[torch.Tensor], recorder: FactorCapture) -> torch.Tensor:
     """Σ over ``tensors`` of ‖∂ℓ_i/∂p‖² per sample, by one batched backward through the
     graph (one backward per sample where an op has no batched backward)."""
@@ -255,6 +327,10 @@ def per_sample_norms(model: nn.Module, layout: Layout, plan: ClipPlan, recorder:
             covered.update(n for n in (layer.weight, layer.bias) if n)
         elif not any(c.delta is not None for c in recorder.recorder.calls.get(layer.weight, [])):
             covered.update(n for n in (layer.weight, layer.bias) if n)  # no call reached the loss: zero
+    from_calls = call_sq_norms(recorder.recorder, [n for n in plan.from_calls if n not in covered], batch)
+    for name, call_sq in from_calls.items():
+        sq = sq + call_sq
+        covered.add(name)
     rest = [params[name] for name in layout.params if name not in covered]
     sq = sq + autograd_sq_norms(losses, rest, recorder).detach()
     return sq.clamp(min=0).sqrt()
@@ -273,7 +349,7 @@ def clipped_local_step(
     result, whose gradients and factors carry Σ_i c_i g_i; the unclipped norms ‖g_i‖)."""
     if targets.shape[0] == 0:
         raise ValueError("clipped_local_step needs at least one sample; a site with an empty batch sends nothing")
-    recorder, losses = forward_losses(model, layout, loss_fn, inputs, targets, capture=True)
+    recorder, losses = forward_losses(model, layout, loss_fn, inputs, targets, capture=True, per_sample=bool(plan.from_calls))
     losses.sum().backward(retain_graph=True)
     norms = per_sample_norms(model, layout, plan, recorder, losses)
     scale = (max_grad_norm / norms).clamp(max=1.0)  # a zero gradient: C/0 = inf -> 1

@@ -48,6 +48,16 @@ FROM_FACTORS = {
     "functional_embedding": {"table"},  # padding_idx lookups tied to a head; unbatched convs: autograd
 }
 
+# Each kind with the uncovered parameters whose norms must come from their per-sample calls.
+FROM_CALLS = {
+    "mlp": set(),
+    "cnn": set(),
+    "gru": set(),
+    "transformer": {"position", "norm1.weight", "norm1.bias", "norm2.weight", "norm2.bias"},  # nothing left for autograd
+    "attention": set(),
+    "functional_embedding": {"unused.weight", "unused.bias"},  # never called: zero
+}
+
 
 @pytest.mark.parametrize("kind", sorted(FROM_FACTORS))
 def test_clipped_sum_equals_a_per_sample_autograd_loop(kind):
@@ -56,6 +66,7 @@ def test_clipped_sum_equals_a_per_sample_autograd_loop(kind):
     layout = Layout.from_model(model, x)
     plan = ClipPlan.verify(model, layout, x)
     assert set(plan.from_factors) == FROM_FACTORS[kind]
+    assert set(plan.from_calls) == FROM_CALLS[kind]
     bound = float(per_sample_loop(model, x, y, 1.0)[0].median())  # some samples clipped, some not
     result, norms = clipped_local_step(model, layout, plan, per_sample_cross_entropy, x, y, bound)
     loop_norms, loop_clipped = per_sample_loop(model, x, y, bound)
@@ -163,6 +174,40 @@ def test_a_layer_whose_rows_lead_with_time_gets_autograd_norms():
     assert plan.from_factors == ("head",) and dict(plan.reasons)["cell"].startswith("its factor norms differ")
     result, _ = clipped_local_step(model, layout, plan, per_sample_cross_entropy, x, y, MAX_GRAD_NORM)
     for name, expected in per_sample_loop(model, x, y, MAX_GRAD_NORM)[1].items():
+        assert relative(result.grads[name], expected) <= TOLERANCE, name
+
+
+class ScaledPositions(nn.Module):
+    """Learned positions added batch-first and LayerNorm, plus the parameters clipping must
+    leave to autograd: a LayerNorm weight also read by a multiplication, and positions added
+    time-major (the rows of an addition not led by the batch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(6, 4), nn.Linear(4, 3)
+        self.position, self.late = nn.Parameter(torch.randn(5, 4)), nn.Parameter(torch.randn(4))
+        self.norm, self.shared = nn.LayerNorm(4), nn.LayerNorm(4)
+
+    def forward(self, ids):  # (B, T) with T == B: the time-major addition's leading dim looks right
+        x = self.norm(self.embed(ids) + self.position[: ids.shape[1]])
+        x = self.shared(x) * self.shared.weight
+        x = (x.transpose(0, 1) + self.late).transpose(0, 1)
+        return self.head(torch.tanh(x).mean(dim=1))
+
+
+def test_parameters_read_otherwise_or_time_major_get_autograd_norms():
+    torch.manual_seed(0)
+    model, x, y = ScaledPositions(), torch.randint(0, 6, (4, 4)), torch.tensor([0, 2, 1, 1])
+    layout = Layout.from_model(model, x)
+    plan = ClipPlan.verify(model, layout, x)
+    assert set(plan.from_calls) == {"position", "norm.weight", "norm.bias", "shared.bias"}
+    reasons = dict(plan.reasons)
+    assert reasons["shared.weight"].startswith("it is also read by")
+    assert reasons["late"].startswith("its call norms differ")
+    result, norms = clipped_local_step(model, layout, plan, per_sample_cross_entropy, x, y, MAX_GRAD_NORM)
+    loop_norms, loop_clipped = per_sample_loop(model, x, y, MAX_GRAD_NORM)
+    assert float(((norms - loop_norms).abs() / loop_norms).max()) <= TOLERANCE
+    for name, expected in loop_clipped.items():
         assert relative(result.grads[name], expected) <= TOLERANCE, name
 
 
