@@ -37,9 +37,11 @@ call c and sample i:
     y = a + p (p broadcast over the batch):  δ_i summed over the dimensions p is broadcast on
 
 summed over the calls (a view such as ``position[:T]`` adds into the elements it reads), so
-‖g_i‖² costs B·|p| and no backward. A parameter used any other way, whose rows do not lead
-with the batch, or whose norms did not match autograd's on the example (``ClipPlan.verify``)
-gets its per-sample gradients from autograd's batched backward, like the layers above.
+‖g_i‖² costs B·|p| and no backward. Every step checks Σ_i g_i against the summed backward's
+gradient of p, which a use the calls did not see would break. A parameter used any other
+way, whose rows do not lead with the batch, whose sum does not match, or whose norms did not
+match autograd's on the example (``ClipPlan.verify``) gets its per-sample gradients from
+autograd's batched backward, like the layers above.
 
 **The clipped sum.** Backpropagation is linear in the upstream gradient: the backward of
 Σ_i c_i ℓ_i gives every captured call's Δ rows of sample i scaled by c_i and every
@@ -167,7 +169,7 @@ class ClipPlan:
                 for name in layout.uncovered:
                     if name not in from_calls:
                         other = recorder.recorder.sample_other_uses.get(name)
-                        why = f"it is also read by {other}" if other else "its rows cannot be matched to samples"
+                        why = f"it is also read by {other}" if other else "its rows cannot be matched to samples or its calls miss part of its gradient"
                         reasons.append((name, why))
                         continue
                     error = _relative_error(from_calls[name], autograd_sq_norms(losses, [params[name]], recorder))
@@ -252,7 +254,9 @@ def factor_sq_norms(layer: CapturedLayer, calls: Sequence[Call], batch: int) -> 
 
 def call_sq_norms(recorder: CallRecorder, names: Sequence[str], batch: int) -> dict[str, torch.Tensor]:
     """‖g_i‖² per sample of each named parameter whose every use this step was a per-sample
-    call with rows matched to samples (see the module doc); the others are left out."""
+    call with rows matched to samples (see the module doc); the others are left out. Needs
+    the backward of Σ ℓ_i done: Σ_i g_i must equal the parameter's ``.grad``, which catches
+    a use the calls did not see (a custom ``autograd.Function``, say)."""
     params = dict(recorder.sample_params.values())
     result = {}
     for name in names:
@@ -274,7 +278,9 @@ def call_sq_norms(recorder: CallRecorder, names: Sequence[str], batch: int) -> d
                 else:  # a view: add into the elements it reads
                     total = total.index_add(1, index, grads)
         else:
-            result[name] = total.pow(2).sum(dim=1)
+            summed = param.grad.detach().reshape(-1) if param.grad is not None else torch.zeros_like(total[0])
+            if float((total.sum(dim=0) - summed).norm()) <= VERIFY_RTOL * max(float(summed.norm()), 1e-12):
+                result[name] = total.pow(2).sum(dim=1)
     return result
 
 

@@ -177,21 +177,39 @@ def test_a_layer_whose_rows_lead_with_time_gets_autograd_norms():
         assert relative(result.grads[name], expected) <= TOLERANCE, name
 
 
+class Gain(torch.autograd.Function):
+    """x ⊙ w by hand: a use of w that no call shows."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return grad * w, (grad * x).sum(dim=tuple(range(grad.dim() - 1)))
+
+
 class ScaledPositions(nn.Module):
     """Learned positions added batch-first and LayerNorm, plus the parameters clipping must
-    leave to autograd: a LayerNorm weight also read by a multiplication, and positions added
-    time-major (the rows of an addition not led by the batch)."""
+    leave to autograd: a LayerNorm weight also read by a multiplication, positions added
+    time-major (the rows of an addition not led by the batch), and a gain used only in
+    training through an ``autograd.Function`` (unused on the eval-mode verification)."""
 
     def __init__(self):
         super().__init__()
         self.embed, self.head = nn.Embedding(6, 4), nn.Linear(4, 3)
         self.position, self.late = nn.Parameter(torch.randn(5, 4)), nn.Parameter(torch.randn(4))
         self.norm, self.shared = nn.LayerNorm(4), nn.LayerNorm(4)
+        self.gain = nn.Parameter(torch.randn(4))
 
     def forward(self, ids):  # (B, T) with T == B: the time-major addition's leading dim looks right
         x = self.norm(self.embed(ids) + self.position[: ids.shape[1]])
         x = self.shared(x) * self.shared.weight
         x = (x.transpose(0, 1) + self.late).transpose(0, 1)
+        if self.training:
+            x = Gain.apply(x, self.gain)
         return self.head(torch.tanh(x).mean(dim=1))
 
 
@@ -200,7 +218,7 @@ def test_parameters_read_otherwise_or_time_major_get_autograd_norms():
     model, x, y = ScaledPositions(), torch.randint(0, 6, (4, 4)), torch.tensor([0, 2, 1, 1])
     layout = Layout.from_model(model, x)
     plan = ClipPlan.verify(model, layout, x)
-    assert set(plan.from_calls) == {"position", "norm.weight", "norm.bias", "shared.bias"}
+    assert set(plan.from_calls) == {"position", "norm.weight", "norm.bias", "shared.bias", "gain"}
     reasons = dict(plan.reasons)
     assert reasons["shared.weight"].startswith("it is also read by")
     assert reasons["late"].startswith("its call norms differ")
