@@ -189,7 +189,8 @@ class CallRecorder(TorchFunctionMode):
         function = torch.overrides.resolve_name(func) or repr(func)
         for result in results:
             base = result._base
-            if len(used) == 1 and base is not None and id(base) in self.sample_params and base.is_contiguous():
+            viewed = self.sample_params[id(base)][0] if base is not None and id(base) in self.sample_params else None
+            if len(used) == 1 and viewed in used and base.is_contiguous():
                 # A view: which of the parameter's elements it reads, in its own order.
                 offset = result.storage_offset() - base.storage_offset()
                 index = torch.arange(base.numel(), device=base.device).as_strided(result.shape, result.stride(), offset)

@@ -146,6 +146,7 @@ class ClipPlan:
                 generator = torch.Generator().manual_seed(VERIFY_SEED)
                 cotangent = torch.randn(outputs.shape, generator=generator, dtype=outputs.dtype).to(outputs.device)
                 losses = (outputs * cotangent).reshape(batch, -1).sum(dim=1)
+                model.zero_grad(set_to_none=True)  # the call norms are checked against this backward's sum
                 losses.sum().backward(retain_graph=True)
                 params = dict(model.named_parameters())
                 kept, reasons = [], []
