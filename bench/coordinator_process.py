@@ -40,10 +40,11 @@ checkpoint_every = 0
 
 def start_coordinator(tmp: Path, config: Path) -> tuple[subprocess.Popen, str]:
     """Start ``dadfl server`` on ``config`` (log in ``tmp/server.log``); its endpoint once it listens."""
-    log = open(tmp / "server.log", "w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "dadfl.cli", "server", "--config", str(config), "--insecure"], stdout=log, stderr=subprocess.STDOUT
-    )
+    with open(tmp / "server.log", "w") as log:  # the process keeps its own copy of the descriptor
+        process = subprocess.Popen(
+            [sys.executable, "-m", "dadfl.cli", "server", "--config", str(config), "--insecure"], stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     endpoint_file = tmp / "run" / "endpoint"
     deadline = time.monotonic() + START_TIMEOUT_S
     while not endpoint_file.exists():

@@ -171,12 +171,13 @@ while True:
             c.sendall(b)
     elif mode == b"s":  # sink: an 8-byte length, that many bytes, then one byte back
         header = b""
-        while len(header) < 8:
-            header += c.recv(8 - len(header))
-        left = int.from_bytes(header, "big")
-        while left > 0:
-            left -= len(c.recv(min(left, 1 << 20)))
-        c.sendall(b"k")
+        while len(header) < 8 and (part := c.recv(8 - len(header))):
+            header += part
+        left = int.from_bytes(header, "big") if len(header) == 8 else 0
+        while left > 0 and (part := c.recv(min(left, 1 << 20))):  # a client gone early ends the loop
+            left -= len(part)
+        if left == 0 and len(header) == 8:
+            c.sendall(b"k")
     c.close()
 """
 
@@ -243,9 +244,11 @@ def probe_link(network: Network, port: int, address: str, bulk_bytes: int = 0, r
 def measure_link(network: Network, port: int, rate: int | None, added_rtt: float) -> dict:
     """RTT and goodput as a site sees them on the current shaping, and the relay's accuracy."""
     bulk = int(rate * BULK_SECONDS / 8) if rate else 0
-    direct_rtt, _ = probe_link(network, port, f"{COORDINATOR_IP}:{port}")
-    with relays(network, port, added_rtt) as address:
-        rtt, seconds = probe_link(network, port, address, bulk)
+    direct_rtt, seconds = probe_link(network, port, f"{COORDINATOR_IP}:{port}", 0 if added_rtt else bulk)
+    rtt = direct_rtt
+    if added_rtt:
+        with relays(network, port, added_rtt) as address:
+            rtt, seconds = probe_link(network, port, address, bulk)
     measured = {"bits_per_second": rate, "added_rtt": added_rtt, "rtt": rtt, "added_rtt_measured": rtt - direct_rtt}
     if bulk:
         # the transfer's last byte arrives one one-way delay after it left, and the ack takes another

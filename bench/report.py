@@ -591,10 +591,12 @@ def time_to_target_section(links: dict | None, results: dict) -> list[str]:
     if group is None:
         return lines + [f"Needs the matrix's {links['setting']} group ({links['sites']} sites, IID) in the same results "
                         "folder; not run here.", ""]
+    if group["target"] is None:
+        return lines + ["No dSGD run in the matrix's group, so no target.", ""]
     strategies = group["strategies"]
 
     def steps_to_target(label: str, name: str) -> int | None:
-        own = strategies.get(label) or (strategies["dsgd"] if name in EXACT else None)
+        own = strategies.get(label) or (strategies.get("dsgd") if name in EXACT else None)
         return own["steps_to_target"] if own else None
 
     links_names = [name for name in links["rates"] if name != "unshaped"]

@@ -141,6 +141,11 @@ def read_csv(path: Path, target_column: str, field: str) -> Split:
         table = np.loadtxt(path, delimiter=",", skiprows=1, dtype=np.float64, ndmin=2)
     except ValueError:  # numpy's message quotes the value: data never reaches a message
         raise DataMismatch(f"{field} {path}: every value after the header must be a number") from None
+    if table.shape[0] == 0 or table.shape[1] != len(header):
+        raise DataMismatch(
+            f"{field} {path}: {table.shape[1]} values per row and {table.shape[0]} rows, against {len(header)} header "
+            "columns: every row must have one value per header column, and there must be rows"
+        )
     target = header.index(target_column)
     labels = table[:, target]
     if not np.array_equal(labels, np.round(labels)):

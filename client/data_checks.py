@@ -149,6 +149,7 @@ def takes_integers_as_floats(model: nn.Module, inputs: torch.Tensor, dtype: torc
     they are and runs on them as ``dtype`` (one forward pass each, eval mode, no gradients)."""
     if inputs.is_floating_point() or inputs.dtype == torch.bool or inputs.is_complex() or len(inputs) == 0:
         return False
+    inputs = inputs.to(next(model.parameters(), torch.empty(0)).device)  # the model may already be on CUDA
     was_training = model.training
     model.eval()
     try:

@@ -191,10 +191,15 @@ def build_workload(run: CheckedRun, limits: RunLimits, search_path: Sequence[Pat
 
 def count_parameters(workload: Workload) -> int:
     """Parameters of the workload's model, from shapes on torch's meta device (no memory, no
-    time); a model that cannot be built there is built for real."""
+    time). A model that cannot be built there is refused: building it for real to count it
+    would allocate whatever size the coordinator's options ask for before the check."""
     try:
         with torch.device("meta"):
             model = workload.build_model()
-    except Exception:
-        model = workload.build_model()
+    except Exception as exc:
+        raise RunRefused(
+            f"workload {printable(workload.name)} cannot be built on torch's meta device ({type(exc).__name__}), so "
+            "its size cannot be checked before memory is allocated; build its model from torch.nn modules "
+            "without reading tensor values in the constructor"
+        ) from None
     return sum(p.numel() for p in model.parameters())

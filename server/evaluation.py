@@ -18,6 +18,10 @@ class EvalRejected(ValueError):
     """A site's evaluation report failed a check; the message says which."""
 
 
+# Bounds every report so that the sample-weighted sum over sites stays finite and meaningful.
+MAX_METRIC = 1e12
+
+
 @dataclass(frozen=True)
 class SiteEval:
     samples: int
@@ -37,6 +41,9 @@ def check_report(report, known: tuple[str, ...], max_samples: int) -> SiteEval:
     bad = [name for name, value in values.items() if not math.isfinite(value)]
     if bad:
         raise EvalRejected(f"non-finite {', '.join(bad)}")
+    huge = [name for name, value in values.items() if abs(value) > MAX_METRIC]
+    if huge:
+        raise EvalRejected(f"{', '.join(huge)} beyond ±{MAX_METRIC:g}")
     return SiteEval(samples, values)
 
 

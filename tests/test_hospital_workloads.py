@@ -120,6 +120,11 @@ def test_csv_site_data_and_held_out_share(tmp_path):
     bad.write_text("age,target\n61,0.5\n")
     with pytest.raises(ValueError, match="whole-number class labels"):
         read_data_file(bad)
+    for name, text in (("wide", "age,target\n1,2,3\n"), ("narrow", "age,marker,target\n1,2\n"), ("empty", "age,target\n")):
+        shifted = tmp_path / f"{name}.csv"
+        shifted.write_text(text)  # a row that does not match the header would take labels from the wrong column
+        with pytest.raises(ValueError, match="one value per header column"):
+            read_data_file(shifted)
 
     dataset = SplitDataset(split)
     train, held_out = hold_out(dataset, EvaluationData(fraction=0.4))

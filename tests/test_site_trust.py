@@ -30,6 +30,7 @@ from dadfl.client.config import SiteConfig
 from dadfl.client.data_checks import DataMismatch
 from dadfl.client.run_checks import RunRefused, build_workload, check_run_config, workload_allowed
 from dadfl.protos import coordinator_pb2 as cpb
+from dadfl.workloads import load_workload
 from dadfl.protos import coordinator_pb2_grpc as cpb_grpc
 from dadfl.protos.channel import PROTOCOL_VERSION, channel_options
 from dadfl.server.enrol import enroll, write_tokens
@@ -142,6 +143,17 @@ def test_an_allowed_module_prefix_runs_the_workload(tmp_path, fake_coordinator):
     assert marker.exists()
     assert coordinator.received == ["hello", "ready"]
     assert result.returncode == 1 and "unreachable 1 times" in result.stderr  # the fake ends the stream after ready
+
+
+def test_a_prefix_allowed_module_exposes_only_its_own_factories(tmp_path):
+    """An allowlist prefix admits the operator's package, not whatever that package imports."""
+    (tmp_path / "hw_pkg.py").write_text("from shutil import rmtree\nfrom dadfl.workloads.digits import mlp as build\n")
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    with pytest.raises(ValueError, match="'rmtree' is not a function defined in package 'hw_pkg'"):
+        load_workload("hw_pkg:rmtree", [tmp_path], path=str(victim))
+    assert victim.exists()
+    assert load_workload("hw_pkg:build", [tmp_path], hidden=8).name == "digits-mlp"  # a re-exported built-in
 
 
 def test_allowlist_matches_specs_prefixes_and_builtin_names():

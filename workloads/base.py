@@ -146,6 +146,17 @@ def load_workload(spec: str, search_path: Sequence[Path | str] = (), **options) 
     factory = getattr(module, factory_name, None)
     if factory is None:
         raise ValueError(f"workload {spec!r}: module {module_name!r} has no attribute {factory_name!r}")
+    # Only a function of the workload's own package (or a built-in one it re-exports) is a
+    # factory: a module's other imports (shutil's rmtree, os.remove) must not become callable
+    # through a spec that an allowlist prefix admits.
+    package = module_name.split(".")[0]
+    defined_in = getattr(factory, "__module__", None) or ""
+    own = defined_in.split(".")[0] == package or f"{defined_in}.".startswith(f"{__package__}.")
+    if not inspect.isfunction(factory) or not own:
+        raise ValueError(
+            f"workload {spec!r}: {factory_name!r} is not a function defined in package {package!r}; "
+            "a workload factory must be a function of the workload's own package"
+        )
     accepted = inspect.signature(factory).parameters
     unknown = sorted(set(options) - set(accepted))
     if unknown and not any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
