@@ -197,6 +197,17 @@ class PrivacyBudget:
         """Whether ``steps`` steps in all keep ε within the stop target (if any)."""
         return self.stop_epsilon is None or self.epsilon(steps) <= self.stop_epsilon
 
+    def max_steps(self, limit: int) -> int:
+        """The most steps, at most ``limit``, that keep ε within the stop target: found once by
+        bisection (ε grows with the steps), so a run asks no accountant step by step."""
+        if self.allows(limit):
+            return limit
+        low, high = 0, limit  # allows(low), not allows(high)
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if self.allows(middle) else (low, middle)
+        return low
+
     def summary(self, steps: int) -> dict[str, float]:
         return {
             "dp_epsilon": self.epsilon(steps), "dp_delta": self.delta, "dp_noise_multiplier": self.noise_multiplier,

@@ -148,6 +148,7 @@ def _simulate(config: SimulationConfig, spec: StrategySpec, metrics: MetricsWrit
         noise = CoordinatorNoise(budget, seed=config.seed)  # seeded: a simulation is a reproducible experiment
         expected = expected_batch(config.batch_size, [len(index) for index in indices])
         log_plan(budget, config.steps)
+    last_step = budget.max_steps(config.steps) if budget is not None else config.steps
     clip = dp.max_grad_norm if dp else None
     coordinator = Replica(workload, strategy, config.optimizer, device, max_grad_norm=clip)
     sites = [Replica(workload, strategy, config.optimizer, device, max_grad_norm=clip) for _ in indices]
@@ -159,7 +160,7 @@ def _simulate(config: SimulationConfig, spec: StrategySpec, metrics: MetricsWrit
     summary: dict[str, Any] = {"strategy": spec.display, "steps": config.steps, "bytes_up": 0, "bytes_down": 0}
     seconds, steps = 0.0, 0
     for step in range(config.steps):
-        if budget is not None and not budget.allows(step + 1):
+        if step + 1 > last_step:
             log.info("%s: stopping after %d steps: one more would take ε above %g", spec.display, step, budget.stop_epsilon)
             break
         start = time.perf_counter()

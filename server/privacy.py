@@ -114,6 +114,7 @@ class ServerPrivacy:
         budget = PrivacyBudget.resolve(config, config.max_sample_rate, steps)
         ceiling = min(budget.epsilon(steps), config.target_epsilon or float("inf"))
         self.budget = dataclasses.replace(budget, stop_epsilon=ceiling)
+        self.max_releases = self.budget.max_steps(steps)  # ε(steps) is the ceiling at most: never more releases
         self.noise = CoordinatorNoise(self.budget)
         self.count = ReleaseCount(run_dir)
         log_plan(self.budget, steps)
@@ -140,7 +141,7 @@ class ServerPrivacy:
 
     def stop_reason(self) -> str | None:
         """Why the run stops before its planned steps: one more release would pass the ε ceiling."""
-        if self.budget.allows(self.releases + 1):
+        if self.releases < self.max_releases:
             return None
         return f"one more step would take ε above {self.budget.stop_epsilon:.4g} (ε = {self.epsilon():.4g} after {self.releases} releases)"
 
