@@ -642,7 +642,9 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                 return self._abort(active, step, attempt, aggregated)
             uploads, message, sent, update = aggregated
             if self.privacy:  # sites receive only the noisy dense update, never the strategy's message
-                message, sent, update = self.privacy.release(
+                # in a thread: a model-sized draw and the release count's fsync would stall every stream
+                message, sent, update = await asyncio.to_thread(
+                    self.privacy.release,
                     self.layout, update, sum(u.payload.num_samples for _, u in uploads), len(uploads), step, self.codec,
                 )
             active = [link for link, _ in uploads]
