@@ -38,7 +38,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .base import BUFFER_ROLE, GRAD_ROLE, IDS_ROLE, ROWS_ROLE, Payload, layer_gradient, split_key, tensor_key
+from .base import BUFFER_ROLE, GRAD_ROLE, IDS_ROLE, ROWS_ROLE, Payload, split_key, tensor_key
 from .capture import LOOKUP, CallRecorder, as_args, id_dtype
 from .layout import CapturedLayer, Layout
 
@@ -280,6 +280,20 @@ def factor_sq_norm(A: torch.Tensor, D: torch.Tensor) -> float:
     return float((product * product).sum())
 
 
+def lookup_sq_norm(ids: torch.Tensor, rows: torch.Tensor, A: torch.Tensor | None, D: torch.Tensor | None) -> float:
+    """‖onehot(ids)ᵀ rows + DᵀA‖_F² (the second term for a head tied to the table), in float64,
+    without the V × d table: the rows summed per distinct id (S), ‖DᵀA‖² from the factors, and the
+    cross term 2 Σ (DᵀA)[u] · S[u] over the distinct ids u only. Memory follows the lookups, not V."""
+    unique, inverse = ids.long().unique(return_inverse=True)
+    S = rows.double().new_zeros(len(unique), rows.shape[-1]).index_add_(0, inverse, rows.double().reshape(-1, rows.shape[-1]))
+    total = float((S * S).sum())
+    if A is not None and D is not None:
+        A, D = A.double(), D.double()
+        head_rows = torch.bmm(D[:, :, unique].transpose(1, 2), A).sum(dim=0)  # (DᵀA) at the looked-up rows
+        total += factor_sq_norm(A, D) + 2 * float((head_rows.reshape(S.shape) * S).sum())
+    return total
+
+
 def low_rank_sq_norm(P: torch.Tensor, Q: torch.Tensor) -> float:
     """‖PQᵀ‖_F² = Σ (PᵀP) ⊙ (QᵀQ), summed over groups (a leading group axis optional)."""
     P, Q = P.double(), Q.double()
@@ -301,10 +315,11 @@ def layerwise_contribution(layout: Layout, payload: Payload, low_rank: Sequence[
             buffers += sq_norm(tensor)
     for layer in layout.layers:
         a, d = tensors.get(tensor_key(layer.module, "A")), tensors.get(tensor_key(layer.module, "D"))
-        if tensor_key(layer.module, IDS_ROLE) in tensors:  # lookups: the (V × d) table gradient, bounded by the table
-            weight, bias = layer_gradient(layer, {k: v.double() if v.is_floating_point() else v for k, v in tensors.items()
-                                                  if split_key(k)[0] == layer.module})
-            update += sq_norm(weight) + (sq_norm(bias) if bias is not None else 0.0)
+        ids, rows = tensors.get(tensor_key(layer.module, IDS_ROLE)), tensors.get(tensor_key(layer.module, ROWS_ROLE))
+        if ids is not None and rows is not None:
+            update += lookup_sq_norm(ids, rows, a, d)
+            if a is not None and d is not None and layer.bias:
+                update += sq_norm(d.sum(dim=1))
         elif a is not None and d is not None:
             update += factor_sq_norm(a, d)
             if layer.bias:
