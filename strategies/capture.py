@@ -409,6 +409,9 @@ def call_forms(calls: Sequence[Call]) -> tuple[str, ...]:
     return tuple(sorted({c.kind for c in calls}))
 
 
+_REPORTED: set[tuple[str, str]] = set()  # (layer, reason) pairs already logged as travelling dense
+
+
 class FactorCapture:
     """Context manager recording the calls of the layout's layers during one forward pass."""
 
@@ -452,7 +455,11 @@ class FactorCapture:
         result = {}
         for layer in self.layout.layers:
             if layer.module in problems:
-                log.warning("layer %r travels dense this step: %s", layer.module, problems[layer.module])
+                reason = (layer.module, problems[layer.module])
+                # once per layer and reason: a lasting cause would otherwise fill the log every step
+                log.log(logging.DEBUG if reason in _REPORTED else logging.WARNING,
+                        "layer %r travels dense this step: %s", *reason)
+                _REPORTED.add(reason)
                 continue
             factors = layer_factors(layer, self.recorder.calls.get(layer.weight, []))
             if factors is not None:
