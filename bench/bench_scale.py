@@ -168,15 +168,18 @@ def run_scale(n_sites: int, steps: int, processes: int) -> dict:
         ]
         try:
             metrics = folder / "run" / "metrics.jsonl"
-            cpu_marks: dict[int, float] = {}
-            rss_last = rss_listening
+            # (records seen, CPU seconds) when a poll first sees the warm-up and the last step done: the
+            # poll may land a few steps late, so CPU is divided by the records between the two readings
+            cpu_marks: dict[int, tuple[int, float]] = {}
+            rss_last = float("nan")  # the coordinator's memory once the last step is done
             started = time.monotonic()
-            while coordinator.poll() is None:  # CPU at the end of the warm-up and of the last step
+            while coordinator.poll() is None:
                 done = metrics.read_bytes().count(b"\n") if metrics.exists() else 0  # complete records only
                 for mark in (WARMUP, steps):
                     if done >= mark and mark not in cpu_marks:
-                        cpu_marks[mark] = cpu_seconds(coordinator.pid)
-                        rss_last = rss_kib(coordinator.pid)["VmRSS"]
+                        cpu_marks[mark] = (done, cpu_seconds(coordinator.pid))
+                        if mark == steps:
+                            rss_last = rss_kib(coordinator.pid)["VmRSS"]
                 if time.monotonic() - started > RUN_TIMEOUT_S:
                     raise RuntimeError(f"{n_sites} sites: the run did not end in {RUN_TIMEOUT_S:.0f} s; see {folder / 'server.log'}")
                 time.sleep(0.1)
@@ -191,7 +194,8 @@ def run_scale(n_sites: int, steps: int, processes: int) -> dict:
             raise RuntimeError(f"{n_sites} sites: {len(records)} of {steps} steps, coordinator exit {coordinator.returncode}")
     measured = records[WARMUP:]
     step_s = statistics.median(r["seconds"] for r in measured)
-    cpu = (cpu_marks[steps] - cpu_marks[WARMUP]) / len(measured) if WARMUP in cpu_marks and steps in cpu_marks else float("nan")
+    (first, cpu_first), (last, cpu_last) = cpu_marks.get(WARMUP, (0, 0.0)), cpu_marks.get(steps, (0, 0.0))
+    cpu = (cpu_last - cpu_first) / (last - first) if last > first else float("nan")  # nan: no two readings apart
     site_kib = sum(r["rss_after_kib"] - r["rss_before_kib"] for r in reports) / n_sites
     return {
         "sites": n_sites,
