@@ -369,7 +369,7 @@ def watch(tmp: Path, server: subprocess.Popen, honest: list, fuzzer: Fuzzer | No
     while server.poll() is None:
         try:
             peak = max(peak, rss_kib(server.pid)["VmHWM"] / 1024)
-        except (FileNotFoundError, ProcessLookupError):
+        except ProcessLookupError:
             break
         size = metrics_file.stat().st_size if metrics_file.exists() else 0
         if size != progress[0]:

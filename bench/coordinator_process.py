@@ -55,10 +55,20 @@ def start_coordinator(tmp: Path, config: Path) -> tuple[subprocess.Popen, str]:
 
 
 def rss_kib(pid: int) -> dict[str, int]:
-    """VmRSS and VmHWM (peak RSS) of a process, in KiB."""
+    """VmRSS and VmHWM (peak RSS) of a process, in KiB.
+
+    Raises ProcessLookupError once the process has exited: a zombie keeps its
+    /proc entry but no memory fields, so a poll can land between the two.
+    """
     fields = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        raise ProcessLookupError(f"process {pid} is gone") from None
+    for line in status.splitlines():
         name, _, value = line.partition(":")
         if name in ("VmRSS", "VmHWM"):
             fields[name] = int(value.split()[0])
+    if len(fields) < 2:
+        raise ProcessLookupError(f"process {pid} has exited")
     return fields
