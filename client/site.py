@@ -230,16 +230,19 @@ class Session:
 
     def start_step(self) -> None:
         run, begin = self.site.run, self.step
-        inputs, targets = run.batches.at(begin.step)
-        if run.private and not 1 <= len(targets) <= poisson_cap(run.config.batch_size):
-            # A Poisson draw with no sample (chance about e^-batch_size) or far above the batch: nothing to
-            # send; the server goes on without this site once the phase times out.
-            log.warning("step %d: the Poisson draw holds %d samples; this site sits the step out", begin.step, len(targets))
-            if self.pending_done is not None:  # the step before still needs this site's done
-                self.send(step_done=self.pending_done)
-                self.pending_done = None
-            return
-        local = run.replica.local(inputs, targets)
+        if run.private:
+            inputs, targets = run.batches.at(begin.step)
+            if not 1 <= len(targets) <= poisson_cap(run.config.batch_size):
+                # A Poisson draw with no sample (chance about e^-batch_size) or far above the batch: nothing to
+                # send; the server goes on without this site once the phase times out.
+                log.warning("step %d: the Poisson draw holds %d samples; this site sits the step out", begin.step, len(targets))
+                if self.pending_done is not None:  # the step before still needs this site's done
+                    self.send(step_done=self.pending_done)
+                    self.pending_done = None
+                return
+            local = run.replica.local(inputs, targets)
+        else:
+            local = run.replica.work(run.batches.at, begin.step)
         run.half_step = None  # from here until the update is applied the half holds part of a step
         payload = run.replica.half.begin(local, begin.step)
         self.upload(payload, loss_sum=local.loss_sum)

@@ -228,18 +228,16 @@ def site_data(
     return train, indices[partition_index]
 
 
-def batch_for_step(
-    context: Context, config: SimulationConfig, workload: Workload, partition_index: int, step: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The node's minibatch at ``step``: the batch the in-process simulation draws for the
-    site at that step, whichever process asks (a restarted step gets the same batch)."""
+def batch_stream(context: Context, config: SimulationConfig, workload: Workload, partition_index: int) -> StepBatches:
+    """The node's minibatches by step: the batches the in-process simulation draws for the
+    site, whichever process asks (a restarted step gets the same batches)."""
     key = (context.run_id, context.node_id, partition_index, str(context.node_config.get("data-path", "")))
     for stale in [k for k in _batch_streams if k[0] != context.run_id]:
         del _batch_streams[stale]  # a long-lived worker serves run after run
     if key not in _batch_streams:
         split, index = site_data(config, workload, context.node_config, partition_index)
         _batch_streams[key] = site_batches(split, index, config.batch_size, seed=config.seed + partition_index)
-    return _batch_streams[key].at(step)
+    return _batch_streams[key]
 
 
 @dataclass
@@ -336,8 +334,8 @@ def handle_step(message: Message, context: Context) -> Message:
     if fingerprint != header["fingerprint"]:
         return _reply(message, NEED_STATE, fingerprint=fingerprint)
     partition_index = int(header["partition_index"])
-    inputs, targets = batch_for_step(context, node.settings.config, node.replica.workload, partition_index, step)
-    local = node.replica.local(inputs, targets)
+    stream = batch_stream(context, node.settings.config, node.replica.workload, partition_index)
+    local = node.replica.work(stream.at, step)
     payload = node.replica.half.begin(local, step)
     node.step, node.messages = step, []
     node.save(context, weights=True)  # forward passes move normalisation statistics

@@ -58,6 +58,7 @@ from .config import StrictModel
 log = logging.getLogger("dadfl.privacy")
 
 EXACT_STRATEGIES = ("dsgd", "dad", "auto", "edad")
+LOCAL_STEP_STRATEGIES = ("fedavg", "diloco")
 
 
 class DPConfig(StrictModel):
@@ -126,12 +127,16 @@ def poisson_cap(batch_size: int) -> int:
 
 def check_dp_strategy(name: str) -> None:
     """Refuse a strategy whose released update is not exactly the clipped sum (module doc)."""
-    if name not in EXACT_STRATEGIES:
-        raise ValueError(
-            f"strategy {name!r} cannot run with [dp]: its update is a low-rank approximation computed from the "
-            "batch (with error-feedback memory), whose change when one record comes or goes max_grad_norm does "
-            f"not bound, so no ε would hold; use one of {', '.join(EXACT_STRATEGIES)} (see docs/privacy.md)"
-        )
+    if name in LOCAL_STEP_STRATEGIES:
+        why = ("its update is a model delta after several local steps, in which one record can act many times; "
+               "per-sample clipping bounds one step's gradient, not that delta")
+    elif name not in EXACT_STRATEGIES:
+        why = ("its update is a low-rank approximation computed from the batch (with error-feedback memory), "
+               "whose change when one record comes or goes max_grad_norm does not bound")
+    else:
+        return
+    raise ValueError(f"strategy {name!r} cannot run with [dp]: {why}, so no ε would hold; "
+                     f"use one of {', '.join(EXACT_STRATEGIES)} (see docs/privacy.md)")
 
 
 def site_sample_rate(batch_size: int, num_samples: int) -> float:

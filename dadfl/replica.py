@@ -10,7 +10,7 @@ every step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 import torch
 from pydantic import Field
@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from dadfl.strategies import Layout, Payload, Strategy, apply_update, local_step, weights_fingerprint
 from dadfl.strategies.base import LocalResult, decode_message
+from dadfl.strategies.local_steps import LocalStepsSite
 from dadfl.strategies.privacy import ClipPlan, clipped_local_step
 from dadfl.workloads import Split, Workload
 
@@ -57,11 +58,22 @@ class Replica:
 
     def __post_init__(self) -> None:
         self.model = self.workload.build_model().to(self.device)
-        self.optimizer = self.optimizer_config.build(self.model.parameters())
+        # FedAvg and DiLoCo apply the round's mean delta with their own outer optimizer.
+        self.optimizer = self.strategy.outer_optimizer(self.model.parameters()) or self.optimizer_config.build(self.model.parameters())
         example = self.workload.example().to(self.device)
         self.layout = Layout.from_model(self.model, example)
         self.half = self.strategy.site(self.layout, self.model)
         self.clip_plan = ClipPlan.verify(self.model, self.layout, example) if self.max_grad_norm is not None else None
+
+    def work(self, batch_at: Callable[[int], tuple[torch.Tensor, torch.Tensor]], step: int) -> LocalResult:
+        """This site's part of ``step``: one forward/backward on batch ``step`` of its stream,
+        or, for a strategy with local steps, a round of H inner steps on its H batches."""
+        indices = self.strategy.batch_indices(step)
+        if isinstance(self.half, LocalStepsSite):
+            self.model.train()
+            batches = [tuple(t.to(self.device) for t in batch_at(i)) for i in indices]
+            return self.half.train(self.workload.loss, batches, self.optimizer_config.build)
+        return self.local(*batch_at(indices[0]))
 
     def local(self, inputs: torch.Tensor, targets: torch.Tensor) -> LocalResult:
         self.model.train()

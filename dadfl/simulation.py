@@ -164,13 +164,14 @@ def _simulate(config: SimulationConfig, spec: StrategySpec, metrics: MetricsWrit
             log.info("%s: stopping after %d steps: one more would take ε above %g", spec.display, step, budget.stop_epsilon)
             break
         start = time.perf_counter()
-        drawn = [batch.at(step) for batch in batches]
-        present = [s for s, (_, targets) in enumerate(drawn) if len(targets)]  # a Poisson draw may be empty
-        locals_ = [sites[s].local(*drawn[s]) for s in present]
         if budget is None:
+            locals_ = [site.work(batch.at, step) for site, batch in zip(sites, batches)]
             messages, traffic = exchange([site.half for site in sites], server, locals_, step)
             bytes_up, bytes_down = traffic.up_total, traffic.down_per_site * len(sites)
         else:
+            drawn = [batch.at(step) for batch in batches]
+            present = [s for s, (_, targets) in enumerate(drawn) if len(targets)]  # a Poisson draw may be empty
+            locals_ = [sites[s].local(*drawn[s]) for s in present]
             downlink, bytes_up = private_step(
                 strategy, coordinator.layout, coordinator.model, [sites[s].half for s in present], server, locals_, noise, expected, step,
             )

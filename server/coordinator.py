@@ -826,11 +826,17 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                 return None
             return event
         try:
-            check_protocol(event.payload, step, attempt, phase, self.fingerprint, self.privacy.max_samples if self.privacy else self.config.training.batch_size)
+            check_protocol(event.payload, step, attempt, phase, self.fingerprint, self._max_samples(step))
         except PayloadError as exc:
             self._refuse(link, f"site {link.site_id}, step {step} phase {phase}: {exc}")
             return None
         return event
+
+    def _max_samples(self, step: int) -> int:
+        """The most samples an upload of ``step`` may claim: a batch per local step it trains on."""
+        if self.privacy:
+            return self.privacy.max_samples
+        return self.config.training.batch_size * len(self.strategy.batch_indices(step))
 
     def _abort(self, links: list[SiteLink], step: int, attempt: int, reason: str) -> None:
         log.warning("step %d attempt %d aborted: %s", step, attempt, reason)

@@ -2,7 +2,7 @@
 
 An upload must answer the step, attempt and phase the server is running, be computed
 from the server's current weights (the model version, by fingerprint), claim a sample
-count within the configured batch size, and report a finite, non-negative loss. What
+count within the configured batch size (per local step), and report a finite, non-negative loss. What
 its tensors may be is the strategy's to say (``Strategy.check_uploads``). Each failure
 is a :class:`PayloadError` whose text says what was wrong; the coordinator drops that
 site from the step and keeps running.
@@ -34,7 +34,7 @@ def check_protocol(upload: Assembled, step: int, attempt: int, phase: int, finge
             f"model is {fingerprint[:12]}: the site's weights are stale"
         )
     if not 1 <= payload.num_samples <= max_samples:
-        raise PayloadError(f"num_samples={payload.num_samples} is outside 1..{max_samples} (the configured batch size)")
+        raise PayloadError(f"num_samples={payload.num_samples} is outside 1..{max_samples} (the configured batch size, per local step)")
     if not math.isfinite(header.loss_sum) or header.loss_sum < 0:
         raise PayloadError(f"loss_sum={header.loss_sum!r} must be finite and >= 0")
     if not payload.tensors:

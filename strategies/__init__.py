@@ -15,12 +15,13 @@ from .dad import DAD
 from .dsgd import DSGD
 from .edad import EDAD
 from .layout import CapturedLayer, Layout
+from .local_steps import DiLoCo, FedAvg
 from .powersgd import PowerSGD
 from .rankdad import RankDAD
 from .step import Traffic, apply_update, exchange, reference_update, step_update, weights_fingerprint
 from .capture import local_step
 
-STRATEGIES: dict[str, type[Strategy]] = {"dsgd": DSGD, "dad": DAD, "auto": Auto, "edad": EDAD, "rankdad": RankDAD, "powersgd": PowerSGD}
+STRATEGIES: dict[str, type[Strategy]] = {"dsgd": DSGD, "dad": DAD, "auto": Auto, "edad": EDAD, "rankdad": RankDAD, "powersgd": PowerSGD, "fedavg": FedAvg, "diloco": DiLoCo}
 
 
 def make_strategy(name: str, **options) -> Strategy:

@@ -207,6 +207,16 @@ class Strategy:
     ) -> dict[str, torch.Tensor]:
         return decode_message(layout, messages[-1])
 
+    def batch_indices(self, step: int) -> range:
+        """The positions in a site's batch stream that ``step`` trains on: one batch, or a
+        round's H batches for a strategy with local steps (``local_steps.py``)."""
+        return range(step, step + 1)
+
+    def outer_optimizer(self, params) -> "torch.optim.Optimizer | None":
+        """The optimizer every replica applies the update with, when the strategy defines
+        it (FedAvg, DiLoCo); None: the run's ``[optimizer]``."""
+        return None
+
     def describe(self, layout: Layout, messages: Sequence[Payload]) -> dict[str, float]:
         """Per-step diagnostics for the metrics log (e.g. effective rank per layer)."""
         return {}

@@ -19,6 +19,8 @@ from dadfl.simulation import SimulationConfig, StrategySpec, simulate
         StrategySpec(name="edad", options={"downlink": "factors"}),
         StrategySpec(name="rankdad", options={"rank": 2, "raw_input": "low_rank"}),  # error feedback, re-reduction
         StrategySpec(name="powersgd", options={"rank": 2, "start_iter": 2}),
+        StrategySpec(name="fedavg", options={"local_steps": 3}),  # uploads claim 3 batches of samples
+        StrategySpec(name="diloco", options={"local_steps": 2, "inner_lr": 0.003}),
     ],
     ids=lambda spec: spec.name,
 )

@@ -23,6 +23,7 @@ STRATEGIES = {
     "dad": {"downlink": "factors"},
     "rankdad": {"rank": 2, "raw_input": "low_rank", "reduce_on_server": True},
     "powersgd": {"rank": 1, "start_iter": 2},
+    "diloco": {"local_steps": 2, "inner_lr": 0.003},  # each site's AdamW moments, the outer momentum
 }
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 

@@ -1,0 +1,181 @@
+"""FedAvg and DiLoCo: H local optimizer steps at every site, then one averaged model delta.
+
+These are the baselines a federated-learning user compares factor sharing against. One
+step of the federation is one **round**: every site starts from the shared weights θ_t,
+takes H steps of its *inner* optimizer on its own batches (batches t·H … t·H + H − 1 of
+its stream, so a round reads as many samples as H steps of dSGD), and uploads its
+**pseudo-gradient** in sum units, n_s · (θ_t − θ_s), with n_s the samples it read this
+round. The server sums and divides by N = Σ n_s: the sample-weighted mean delta
+
+    Δ_t = Σ_s (n_s / N) (θ_t − θ_s)
+
+and every replica applies the strategy's *outer* optimizer to Δ_t as if it were a
+gradient, so replicas stay bit-identical exactly as with dSGD:
+
+- **FedAvg** (McMahan et al., 2017): the inner optimizer is the run's ``[optimizer]``,
+  fresh every round; the outer one is SGD with ``server_lr`` (1.0 gives the plain
+  sample-weighted average of the sites' models).
+- **DiLoCo** (Douillard et al., 2023): the inner optimizer is AdamW (``inner_lr``,
+  ``weight_decay``) whose moments each site keeps across rounds (its strategy state, saved
+  and restored with checkpoints); the outer one is SGD with Nesterov momentum
+  (``outer_lr`` 0.7, ``outer_momentum`` 0.9, the paper's values). The run's ``[optimizer]``
+  is not used.
+
+Cost per round: every parameter and floating buffer once up and once down, as one dSGD
+step; rounds are H times fewer. Trade-offs, measured in ``docs/benchmarks.md``: the update is
+*not* the gradient of any batch, so the exactness every other strategy here keeps is gone;
+with non-IID sites the local models drift apart (client drift) and more rounds are needed;
+a round costs H local steps of compute, which on a fast link dominates.
+
+Reveals: each site's model delta after H steps to the server (gradient-inversion attacks
+apply, weaker than on one step's gradient); sites see only the mean. Refused with ``[dp]``:
+the per-sample clipping there bounds one step's gradient, not an H-step delta.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from .base import LocalResult, StateDict, check_state_keys, tensors_under, with_prefix
+from .capture import as_args, per_sample_losses
+from .dsgd import DSGD, DenseServer, DenseSite
+from .layout import Layout
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+MAX_LOCAL_STEPS = 10_000  # a coordinator cannot make a site train for ever in one round
+
+
+class LocalStepsSite(DenseSite):
+    """Site half: H inner steps, then the pseudo-gradient as dSGD's dense upload. FedAvg's
+    inner optimizer starts fresh every round, so this half carries nothing."""
+
+    def __init__(self, layout: Layout, model: nn.Module, inner: torch.optim.Optimizer | None):
+        super().__init__(layout)
+        self.model = model
+        self.inner = inner  # None: a fresh one from the run's optimizer every round (FedAvg)
+
+    def train(self, loss_fn: Callable, batches: Sequence[Batch], run_optimizer: OptimizerFactory) -> LocalResult:
+        """H inner steps from the current weights; the weights are put back afterwards, so
+        the replica applies the round's update from θ_t like every other replica."""
+        model = self.model
+        params = dict(model.named_parameters())
+        start = {name: params[name].detach().clone() for name in self.layout.params}
+        start_buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
+        optimizer = self.inner if self.inner is not None else run_optimizer(list(model.parameters()))
+        reached: set[str] = set()
+        samples, loss_sum = 0, 0.0
+        for inputs, targets in batches:
+            optimizer.zero_grad(set_to_none=True)
+            losses = per_sample_losses(loss_fn(model(*as_args(inputs)), targets))
+            if losses.shape[0] != targets.shape[0]:
+                raise ValueError(
+                    f"loss returned {losses.shape[0]} values for a batch of {targets.shape[0]} samples; "
+                    "the workload loss must return one loss per sample (reduction='none')"
+                )
+            losses.mean().backward()
+            reached.update(name for name in self.layout.params if params[name].grad is not None)
+            optimizer.step()
+            samples += int(targets.shape[0])
+            loss_sum += float(losses.detach().sum())
+        optimizer.zero_grad(set_to_none=True)
+        buffers = dict(model.named_buffers())
+        with torch.no_grad():
+            # A parameter no batch reached has no delta, as it would have no gradient.
+            deltas = {name: (start[name] - params[name]) * samples for name in self.layout.params if name in reached}
+            local_buffers = {name: buffers[name].detach().clone() for name in self.layout.buffers}
+            for name, value in start.items():
+                params[name].copy_(value)
+            for name, value in start_buffers.items():
+                buffers[name].copy_(value)
+        return LocalResult(num_samples=samples, loss_sum=loss_sum, grads=deltas, factors={}, buffers=local_buffers)
+
+
+class DiLoCoSite(LocalStepsSite):
+    """DiLoCo's site half: AdamW whose moments carry from round to round."""
+
+    def state_dict(self) -> StateDict:
+        state = self.inner.state_dict()["state"]
+        return with_prefix("inner", {f"{index}/{key}": value for index, entry in state.items() for key, value in entry.items()})
+
+    def load_state_dict(self, state: StateDict) -> None:
+        check_state_keys("diloco site", state, ["inner"])
+        entries: dict[int, dict[str, torch.Tensor]] = {}
+        for key, value in tensors_under(state, "inner").items():
+            index, _, name = key.partition("/")
+            if not index.isdigit() or name not in ("step", "exp_avg", "exp_avg_sq"):
+                raise ValueError(f"diloco site: unexpected state entry inner/{key}")
+            entries.setdefault(int(index), {})[name] = value
+        params = list(self.model.parameters())
+        for index, entry in entries.items():
+            if index >= len(params) or set(entry) != {"step", "exp_avg", "exp_avg_sq"}:
+                raise ValueError(f"diloco site: the state of parameter {index} does not fit this model")
+            for name in ("exp_avg", "exp_avg_sq"):
+                if entry[name].shape != params[index].shape:
+                    raise ValueError(f"diloco site: {name} of parameter {index} has shape {tuple(entry[name].shape)}, "
+                                     f"the parameter {tuple(params[index].shape)}")
+        saved = self.inner.state_dict()
+        saved["state"] = {index: {name: value.clone() for name, value in entry.items()} for index, entry in entries.items()}
+        self.inner.load_state_dict(saved)
+
+
+@dataclass(frozen=True)
+class LocalSteps(DSGD):
+    """What FedAvg and DiLoCo share: the round, the dense wire format and its checks (dSGD's)."""
+
+    local_steps: int = 8
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.local_steps <= MAX_LOCAL_STEPS:
+            raise ValueError(f"{self.name}: local_steps={self.local_steps} must be between 1 and {MAX_LOCAL_STEPS}")
+
+    def batch_indices(self, step: int) -> range:
+        return range(step * self.local_steps, (step + 1) * self.local_steps)
+
+    def server(self, layout: Layout, model=None) -> DenseServer:
+        return DenseServer(layout)
+
+
+@dataclass(frozen=True)
+class FedAvg(LocalSteps):
+    name = "fedavg"
+    server_lr: float = 1.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.server_lr > 0:
+            raise ValueError(f"fedavg: server_lr={self.server_lr} must be positive (1.0 is the plain average)")
+
+    def site(self, layout: Layout, model=None) -> LocalStepsSite:
+        return LocalStepsSite(layout, model, inner=None)
+
+    def outer_optimizer(self, params) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=self.server_lr)
+
+
+@dataclass(frozen=True)
+class DiLoCo(LocalSteps):
+    name = "diloco"
+    inner_lr: float = 1e-3
+    weight_decay: float = 0.1
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not (self.inner_lr > 0 and self.outer_lr > 0 and self.weight_decay >= 0 and 0 <= self.outer_momentum < 1):
+            raise ValueError(
+                f"diloco: need inner_lr > 0, outer_lr > 0, weight_decay >= 0 and 0 <= outer_momentum < 1 "
+                f"(got {self.inner_lr}, {self.outer_lr}, {self.weight_decay}, {self.outer_momentum})"
+            )
+
+    def site(self, layout: Layout, model=None) -> DiLoCoSite:
+        inner = torch.optim.AdamW(model.parameters(), lr=self.inner_lr, weight_decay=self.weight_decay)
+        return DiLoCoSite(layout, model, inner)
+
+    def outer_optimizer(self, params) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.outer_momentum > 0)
