@@ -72,7 +72,7 @@ class Replica:
         if isinstance(self.half, LocalStepsSite):
             self.model.train()
             batches = [tuple(t.to(self.device) for t in batch_at(i)) for i in indices]
-            return self.half.train(self.workload.loss, batches, self.optimizer_config.build)
+            return self.half.train(self.model, self.workload.loss, batches, self.optimizer_config.build)
         return self.local(*batch_at(indices[0]))
 
     def local(self, inputs: torch.Tensor, targets: torch.Tensor) -> LocalResult:

@@ -52,21 +52,19 @@ MAX_LOCAL_STEPS = 10_000  # a coordinator cannot make a site train for ever in o
 
 class LocalStepsSite(DenseSite):
     """Site half: H inner steps, then the pseudo-gradient as dSGD's dense upload. FedAvg's
-    inner optimizer starts fresh every round, so this half carries nothing."""
+    inner optimizer starts fresh every round, so this half carries nothing.
 
-    def __init__(self, layout: Layout, model: nn.Module, inner: torch.optim.Optimizer | None):
-        super().__init__(layout)
-        self.model = model
-        self.inner = inner  # None: a fresh one from the run's optimizer every round (FedAvg)
+    The half never holds the model (a runtime may pickle the half between messages, which
+    would train a stale copy): ``train`` is handed the replica's model every round.
+    """
 
-    def train(self, loss_fn: Callable, batches: Sequence[Batch], run_optimizer: OptimizerFactory) -> LocalResult:
+    def train(self, model: nn.Module, loss_fn: Callable, batches: Sequence[Batch], run_optimizer: OptimizerFactory) -> LocalResult:
         """H inner steps from the current weights; the weights are put back afterwards, so
         the replica applies the round's update from θ_t like every other replica."""
-        model = self.model
         params = dict(model.named_parameters())
         start = {name: params[name].detach().clone() for name in self.layout.params}
         start_buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
-        optimizer = self.inner if self.inner is not None else run_optimizer(list(model.parameters()))
+        optimizer = self.inner_optimizer(model, run_optimizer)
         reached: set[str] = set()
         samples, loss_sum = 0, 0.0
         for inputs, targets in batches:
@@ -83,6 +81,7 @@ class LocalStepsSite(DenseSite):
             samples += int(targets.shape[0])
             loss_sum += float(losses.detach().sum())
         optimizer.zero_grad(set_to_none=True)
+        self.keep(optimizer)
         buffers = dict(model.named_buffers())
         with torch.no_grad():
             # A parameter no batch reached has no delta, as it would have no gradient.
@@ -94,33 +93,58 @@ class LocalStepsSite(DenseSite):
                 buffers[name].copy_(value)
         return LocalResult(num_samples=samples, loss_sum=loss_sum, grads=deltas, factors={}, buffers=local_buffers)
 
+    def inner_optimizer(self, model: nn.Module, run_optimizer: OptimizerFactory) -> torch.optim.Optimizer:
+        return run_optimizer(list(model.parameters()))
+
+    def keep(self, optimizer: torch.optim.Optimizer) -> None:
+        """What of the inner optimizer carries to the next round: nothing, for FedAvg."""
+
+
+MOMENTS = ("step", "exp_avg", "exp_avg_sq")
+
 
 class DiLoCoSite(LocalStepsSite):
-    """DiLoCo's site half: AdamW whose moments carry from round to round."""
+    """DiLoCo's site half: AdamW whose moments carry from round to round, as tensors by
+    parameter position (the half's state, checked against the model's shapes on load)."""
+
+    def __init__(self, layout: Layout, model: nn.Module, config: "DiLoCo"):
+        super().__init__(layout)
+        self.config = config
+        self.shapes = [tuple(param.shape) for param in model.parameters()]
+        self.moments: dict[int, dict[str, torch.Tensor]] = {}
+
+    def inner_optimizer(self, model: nn.Module, run_optimizer: OptimizerFactory) -> torch.optim.Optimizer:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=self.config.inner_lr, weight_decay=self.config.weight_decay)
+        if self.moments:
+            state = optimizer.state_dict()
+            state["state"] = {index: {k: v.clone() for k, v in entry.items()} for index, entry in self.moments.items()}
+            optimizer.load_state_dict(state)
+        return optimizer
+
+    def keep(self, optimizer: torch.optim.Optimizer) -> None:
+        self.moments = {index: {k: v.detach().clone() for k, v in entry.items()} for index, entry in optimizer.state_dict()["state"].items()}
 
     def state_dict(self) -> StateDict:
-        state = self.inner.state_dict()["state"]
-        return with_prefix("inner", {f"{index}/{key}": value for index, entry in state.items() for key, value in entry.items()})
+        return with_prefix("inner", {f"{index}/{key}": value for index, entry in self.moments.items() for key, value in entry.items()})
 
     def load_state_dict(self, state: StateDict) -> None:
         check_state_keys("diloco site", state, ["inner"])
-        entries: dict[int, dict[str, torch.Tensor]] = {}
+        moments: dict[int, dict[str, torch.Tensor]] = {}
         for key, value in tensors_under(state, "inner").items():
             index, _, name = key.partition("/")
-            if not index.isdigit() or name not in ("step", "exp_avg", "exp_avg_sq"):
+            if not index.isdigit() or name not in MOMENTS:
                 raise ValueError(f"diloco site: unexpected state entry inner/{key}")
-            entries.setdefault(int(index), {})[name] = value
-        params = list(self.model.parameters())
-        for index, entry in entries.items():
-            if index >= len(params) or set(entry) != {"step", "exp_avg", "exp_avg_sq"}:
+            moments.setdefault(int(index), {})[name] = value
+        for index, entry in moments.items():
+            if index >= len(self.shapes) or set(entry) != set(MOMENTS):
                 raise ValueError(f"diloco site: the state of parameter {index} does not fit this model")
+            if entry["step"].numel() != 1:
+                raise ValueError(f"diloco site: step of parameter {index} must be one number")
             for name in ("exp_avg", "exp_avg_sq"):
-                if entry[name].shape != params[index].shape:
+                if tuple(entry[name].shape) != self.shapes[index] or not entry[name].is_floating_point():
                     raise ValueError(f"diloco site: {name} of parameter {index} has shape {tuple(entry[name].shape)}, "
-                                     f"the parameter {tuple(params[index].shape)}")
-        saved = self.inner.state_dict()
-        saved["state"] = {index: {name: value.clone() for name, value in entry.items()} for index, entry in entries.items()}
-        self.inner.load_state_dict(saved)
+                                     f"the parameter {self.shapes[index]}")
+        self.moments = {index: {k: v.clone() for k, v in entry.items()} for index, entry in moments.items()}
 
 
 @dataclass(frozen=True)
@@ -151,7 +175,7 @@ class FedAvg(LocalSteps):
             raise ValueError(f"fedavg: server_lr={self.server_lr} must be positive (1.0 is the plain average)")
 
     def site(self, layout: Layout, model=None) -> LocalStepsSite:
-        return LocalStepsSite(layout, model, inner=None)
+        return LocalStepsSite(layout)
 
     def outer_optimizer(self, params) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=self.server_lr)
@@ -174,8 +198,9 @@ class DiLoCo(LocalSteps):
             )
 
     def site(self, layout: Layout, model=None) -> DiLoCoSite:
-        inner = torch.optim.AdamW(model.parameters(), lr=self.inner_lr, weight_decay=self.weight_decay)
-        return DiLoCoSite(layout, model, inner)
+        if model is None:
+            raise ValueError("diloco: the site half needs the model (its parameters' shapes check a restored state)")
+        return DiLoCoSite(layout, model, self)
 
     def outer_optimizer(self, params) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.outer_momentum > 0)

@@ -36,7 +36,7 @@ def run_rounds(strategy, model, batches, rounds, halves=None, inner=None):
         uploads = []
         for half, site in zip(halves, batches):
             before = copy.deepcopy(model.state_dict())
-            local = half.train(per_sample_cross_entropy, list(strategy_round(strategy, site, r)), inner)
+            local = half.train(model, per_sample_cross_entropy, list(strategy_round(strategy, site, r)), inner)
             assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), "training a round leaves the weights as they were"
             uploads.append(half.begin(local, r))
         message = server.aggregate(uploads)
@@ -102,7 +102,7 @@ def test_a_parameter_no_batch_reaches_gets_no_delta():
     strategy = make_strategy("fedavg", local_steps=2)
     layout = Layout.from_model(model, batches[0][0][0])
     half = strategy.site(layout, model)
-    local = half.train(per_sample_cross_entropy, batches[0][:2], lambda p: torch.optim.SGD(p, lr=0.1, weight_decay=0.1))
+    local = half.train(model, per_sample_cross_entropy, batches[0][:2], lambda p: torch.optim.SGD(p, lr=0.1, weight_decay=0.1))
     upload = half.begin(local, 0)
     assert tensor_key("used.weight", "grad") in upload.tensors
     assert not any(key.startswith("unused.") for key in upload.tensors)
@@ -148,7 +148,7 @@ def run_rounds_from(strategy, model, batches, halves):
     server, outer = strategy.server(layout, model), strategy.outer_optimizer(model.parameters())
     messages = []
     for r in (2, 3):
-        uploads = [half.begin(half.train(per_sample_cross_entropy, list(strategy_round(strategy, site, r)), None), r)
+        uploads = [half.begin(half.train(model, per_sample_cross_entropy, list(strategy_round(strategy, site, r)), None), r)
                    for half, site in zip(halves, batches)]
         messages.append(server.aggregate(uploads))
         update = strategy.decode(layout, [messages[-1]], model)
