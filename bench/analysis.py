@@ -226,11 +226,11 @@ def group_dominance(strategies: dict[str, StrategyStats]) -> dict:
 
 # ------------------------------------------------------------------------ everything
 
-STRATEGY_ORDER = ("dsgd", "dad", "auto", "edad", "rankdad", "powersgd")
+STRATEGY_ORDER = ("dsgd", "dad", "auto", "edad", "rankdad", "powersgd", "fedavg", "diloco")
 
 
 def matrix_order(spec: dict) -> tuple:
-    """Tables list strategies as the matrix does: exact ones, rank-dAD, PowerSGD; by rank."""
+    """Tables list strategies as the matrix does: exact ones, rank-dAD, PowerSGD, local steps; by rank."""
     name, options = spec["name"], spec["options"]
     known = STRATEGY_ORDER.index(name) if name in STRATEGY_ORDER else len(STRATEGY_ORDER)
     return known, options.get("rank", 0), options.get("error_feedback") is False

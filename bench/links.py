@@ -9,7 +9,8 @@ qdisc on the site's end shapes its uplink, one on the bridge port its downlink, 
 the same rate. Each strategy runs ``steps`` steps of the runtime's coordinator and site
 processes (``python -m dadfl.server`` / ``dadfl.client``, plain text) on the matrix's
 ``digits-mlp-wide`` setting (digits MLP, hidden 1024, 1.13M parameters; its optimizer and
-batch size), first on unshaped links, then on each link. The strategies are the matrix's,
+batch size), first on unshaped links, then on each link. For FedAvg and DiLoCo a step is a
+round: H local steps at every site, then one exchange. The strategies are the matrix's,
 under the same labels, so the report can put the matrix's steps to dSGD's target (the
 runtime is bit-identical to the simulation) beside each link's measured seconds per step. The links with a round-trip time (20 Mbit/s with 40 ms, 100 Mbit/s with 10 ms, as a
 hospital's wide-area link) put a relay between each site and the coordinator that holds
@@ -74,7 +75,7 @@ SUBNET = "10.213.0"
 COORDINATOR_IP = f"{SUBNET}.1"
 SETTING = next(setting for setting in RANKDAD_EF if setting.key == "digits-mlp-wide")
 WORKLOAD, OPTIONS = SETTING.workload, {**SETTING.options, "seed": 0}
-STRATEGIES = strategy_specs(feed_forward=True, ranks=(1, 2), exact=True, ablation=False)
+STRATEGIES = strategy_specs(feed_forward=True, ranks=(1, 2), exact=True, ablation=False, local_steps=True)
 RUN_TIMEOUT_S = 300
 
 

@@ -519,7 +519,7 @@ def write_report(
         lines += ["## Failed cells", "", "These runs raised; their tracebacks are in `runs/<cell>.failed`:", ""]
         lines += [f"- `{name}`" for name in results["failed"]] + [""]
     lines += links_section(links)
-    lines += time_to_target_section(links, results)
+    lines += time_to_target_section(links, results, images, docs)
     lines += peers_section(peers, images, docs)
     path = docs / "benchmarks.md"
     path.write_text("\n".join(lines))
@@ -578,60 +578,118 @@ def links_section(links: dict | None) -> list[str]:
 
 
 EXACT = ("dad", "auto", "edad")  # same update as dSGD to float rounding: dSGD's steps to target
+SPLITS = {"iid": "IID", "dirichlet": "Dirichlet(0.5)"}
+FAMILIES = {  # the choice a hospital makes, by the strategy's name
+    "exact update (dsgd, dad, auto, edad)": ("dsgd", "dad", "auto", "edad"),
+    "rank-dAD": ("rankdad",),
+    "PowerSGD": ("powersgd",),
+    "local steps (FedAvg, DiLoCo)": ("fedavg", "diloco"),
+}
 
 
-def time_to_target_section(links: dict | None, results: dict) -> list[str]:
-    """Seconds to dSGD's target on each link: the matrix's steps to target for the links' setting
-    (4 sites, IID, seed mean) times the seconds per step measured on that link."""
+def time_to_target_section(links: dict | None, results: dict, images: Path, docs: Path) -> list[str]:
+    """Seconds to dSGD's target on each link and split: the matrix's steps to target for the
+    links' setting (4 sites, seed mean) times the seconds per step measured on that link."""
     if not links or "skipped" in links or "setting" not in links:
         return []
-    group = next((g for g in results["groups"].values()
-                  if g["setting"] == links["setting"] and g["sites"] == links["sites"] and g["partition"] == "iid"), None)
     lines = ["## Time to dSGD's target on each link", ""]
-    if group is None:
-        return lines + [f"Needs the matrix's {links['setting']} group ({links['sites']} sites, IID) in the same results "
-                        "folder; not run here.", ""]
-    if group["target"] is None:
-        return lines + ["No dSGD run in the matrix's group, so no target.", ""]
-    strategies = group["strategies"]
-
-    def steps_to_target(label: str, name: str) -> int | None:
-        own = strategies.get(label) or (strategies.get("dsgd") if name in EXACT else None)
-        return own["steps_to_target"] if own else None
-
+    groups = {partition: next((g for g in results["groups"].values() if g["setting"] == links["setting"]
+                               and g["sites"] == links["sites"] and g["partition"] == partition), None) for partition in SPLITS}
+    groups = {partition: group for partition, group in groups.items() if group is not None and group["target"] is not None}
+    if not groups:
+        return lines + [f"Needs the matrix's {links['setting']} group ({links['sites']} sites) with a dSGD run in the same "
+                        "results folder; not run here.", ""]
     links_names = [name for name in links["rates"] if name != "unshaped"]
     lines += [
-        f"Seconds to reach dSGD's final metric ({percent(group['target'])}%) on {links['setting']}, {links['sites']} sites, IID:"
-        " the matrix's steps to target (first evaluation, every 10 steps, where the seed-mean curve reaches it; dad,"
-        " auto and edad take dSGD's, their updates being the same to float rounding) times the seconds per step",
-        "measured on that link above. *bound*: the same steps times the link's physical bound per step.",
+        f"Seconds to reach dSGD's final metric on {links['setting']}, {links['sites']} sites: the matrix's steps to target"
+        " (first evaluation, every 10 steps, where the seed-mean curve reaches it; dad, auto and edad take dSGD's, their"
+        " updates being the same to float rounding) times the seconds per step measured on that link above (for FedAvg"
+        " and DiLoCo a step is a round of H local steps, so their compute is in it). The link runs train IID; a step's"
+        " bytes and compute do not depend on the split (every site reads 32 samples per step either way).",
+        "*bound*: the same steps times the link's physical bound per step.",
         "",
     ]
-    header = ["strategy", "steps to target"] + [f"{name}: s (bound)" for name in links_names]
-    rows, seconds = [], {}
-    for label, runs in links["strategies"].items():
-        name = label.split()[0]
-        steps = steps_to_target(label, name)
-        row = [label, str(steps) if steps else "not reached"]
+    seconds: dict[tuple[str, str, str], float] = {}
+    for partition, group in groups.items():
+        strategies = group["strategies"]
+        lines += [f"**{SPLITS[partition]}**, target {percent(group['target'])}%:", ""]
+        header = ["strategy", "steps to target"] + [f"{name}: s (bound)" for name in links_names]
+        rows = []
+        for label, runs in links["strategies"].items():
+            name = label.split()[0]
+            own = strategies.get(label) or (strategies.get("dsgd") if name in EXACT else None)
+            steps = own["steps_to_target"] if own else None
+            row = [label, str(steps) if steps else ("not reached" if own else "not in the matrix")]
+            for link in links_names:
+                run = runs.get(link)
+                if steps and run:
+                    seconds[partition, label, link] = steps * run["seconds"]
+                    row.append(f"{seconds[partition, label, link]:.1f} ({steps * run['bound']:.1f})")
+                else:
+                    row.append("–")
+            rows.append(row)
+        lines += table(header, rows)
         for link in links_names:
-            run = runs.get(link)
-            if steps and run:
-                seconds[label, link] = steps * run["seconds"]
-                row.append(f"{seconds[label, link]:.1f} ({steps * run['bound']:.1f})")
-            else:
-                row.append("–")
-        rows.append(row)
-    lines += table(header, rows)
+            found = {label: t for (split, label, l), t in seconds.items() if split == partition and l == link}
+            rank = {label: t for label, t in found.items() if label.startswith("rankdad")}
+            power = {label: t for label, t in found.items() if label.startswith("powersgd")}
+            dsgd = found.get("dsgd")
+            if rank and power and dsgd:
+                best_rank, best_power = min(rank, key=rank.get), min(power, key=power.get)
+                lines.append(f"- {link}: fastest rank-dAD ({best_rank}) {rank[best_rank]:.1f} s; fastest PowerSGD ({best_power})"
+                             f" {power[best_power]:.1f} s, {power[best_power] / rank[best_rank]:.2f}× rank-dAD's time; dSGD"
+                             f" {dsgd:.1f} s, {dsgd / rank[best_rank]:.1f}× rank-dAD's time.")
+        lines.append("")
+    lines += choice_table(seconds, groups, links_names)
+    image = images / f"bench_{links['setting']}_metric_vs_seconds.png"
+    if plot_metric_vs_seconds(links, groups, next((n for n in links_names if 'RTT' in n), links_names[0]), image):
+        lines += [f"![{links['setting']}: metric against seconds on a wide-area link]({os.path.relpath(image, docs)})", ""]
+    return lines
+
+
+def choice_table(seconds: dict[tuple[str, str, str], float], groups: dict, links_names: list[str]) -> list[str]:
+    """Per link and split, the fastest strategy of each family to dSGD's target: which to pick."""
+    header = ["link", "split"] + list(FAMILIES) + ["fastest"]
+    rows = []
     for link in links_names:
-        rank = {label: t for (label, l), t in seconds.items() if l == link and label.startswith("rankdad")}
-        power = {label: t for (label, l), t in seconds.items() if l == link and label.startswith("powersgd")}
-        dsgd = seconds.get(("dsgd", link))
-        if rank and power and dsgd:
-            best_rank, best_power = min(rank, key=rank.get), min(power, key=power.get)
-            lines.append(f"- {link}: fastest rank-dAD ({best_rank}) {rank[best_rank]:.1f} s; fastest PowerSGD ({best_power})"
-                         f" {power[best_power]:.1f} s, {power[best_power] / rank[best_rank]:.2f}× rank-dAD's time; dSGD"
-                         f" {dsgd:.1f} s, {dsgd / rank[best_rank]:.1f}× rank-dAD's time.")
-    return lines + [""]
+        for partition in groups:
+            found = {label: t for (split, label, l), t in seconds.items() if split == partition and l == link}
+            row = [link, SPLITS[partition]]
+            for names in FAMILIES.values():
+                family = {label: t for label, t in found.items() if label.split()[0] in names}
+                best = min(family, key=family.get) if family else None
+                row.append(f"{best}: {family[best]:.1f} s" if best else "not reached")
+            fastest = min(found, key=found.get) if found else None
+            row.append(f"**{fastest}**" if fastest else "–")
+            rows.append(row)
+    return ["Which strategy reaches dSGD's target first, per link and split (seconds, from the tables above):", "",
+            *table(header, rows)]
+
+
+def plot_metric_vs_seconds(links: dict, groups: dict, link: str, image: Path) -> bool:
+    """Seed-mean metric against wall-clock seconds on ``link`` (steps × its measured s/step)."""
+    figure, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4), squeeze=False)
+    drawn = False
+    for axis, (partition, group) in zip(axes[0], groups.items()):
+        for label, runs in links["strategies"].items():
+            name = label.split()[0]
+            own = group["strategies"].get(label) or (group["strategies"].get("dsgd") if name in EXACT else None)
+            run = runs.get(link)
+            if own is None or run is None:
+                continue
+            axis.plot([step * run["seconds"] for step in own["curve_steps"]], [100 * m for m in own["curve_metric"]],
+                      label=label, linewidth=1.2)
+            drawn = True
+        axis.axhline(100 * group["target"], color="gray", linewidth=0.8, linestyle=":")
+        axis.set(xscale="log", xlabel=f"seconds on {link}", ylabel=f"held-out {group['metric_name']} (%)",
+                 title=f"{links['setting']}, {SPLITS[partition]}")
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    if drawn:
+        figure.savefig(image, dpi=100)
+    plt.close(figure)
+    return drawn
 
 
 def emulator_accuracy(links: dict) -> list[str]:

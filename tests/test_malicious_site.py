@@ -115,7 +115,7 @@ ROWS_TRAVEL = {"dad", "edad"}  # auto sends this small model's layers as (smalle
 # A dense gradient left out means "no gradient at this site" (a parameter its batch did not
 # reach): it adds nothing, as zeros would, so it is allowed where only gradients travel
 # (auto on this small model; PowerSGD's dense warm-up steps).
-ONLY_GRADIENTS = {"dsgd", "auto", "powersgd"}
+ONLY_GRADIENTS = {"dsgd", "auto", "powersgd", "fedavg"}
 
 
 @dataclass
@@ -169,6 +169,7 @@ STRATEGIES = [
     StrategySpec(name="rankdad", options={"rank": 2}),
     StrategySpec(name="rankdad", options={"rank": 2, "reduce_on_server": True}),
     StrategySpec(name="powersgd", options={"rank": 1, "start_iter": 2}),
+    StrategySpec(name="fedavg", options={"local_steps": 2}),  # model deltas; samples bounded by 2 batches
 ]
 
 
