@@ -365,6 +365,14 @@ def write_report(
         "  envelopes are step functions, so checking every evaluated budget is exact). Also shown: the share of budgets",
         "  where it holds, the worst gap in points, and rank-by-rank comparisons (each rank-dAD r against PowerSGD r).",
         "- **round trips**: server exchanges per step, counted by running one step.",
+    ]
+    if any(s.get("local_steps") for s in settings):
+        lines += [
+            "- **fedavg H, diloco H**: one step is a *round*: every site takes H local steps on its next H batches (H",
+            "  times dSGD's samples and compute), then one exchange of the sample-weighted mean model delta. They run as",
+            "  many rounds as dSGD runs steps, so their steps to target are rounds and their ms / step is per round.",
+        ]
+    lines += [
         "",
         "### Settings",
         "",
