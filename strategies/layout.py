@@ -53,6 +53,11 @@ class CapturedLayer:
     def weight_numel(self) -> int:
         return self.groups * self.in_per_group * self.out_per_group
 
+    @property
+    def params(self) -> tuple[str, ...]:
+        """The parameters its payload covers: the weight, and the bias when read off the deltas."""
+        return (self.weight, self.bias) if self.bias else (self.weight,)
+
 
 @dataclass(frozen=True)
 class Layout:
