@@ -98,7 +98,7 @@ from dadfl.workloads import load_workload
 from . import checkpoint
 from .config import ServerConfig
 from .certs import check_client_certificate
-from .enrol import SITE_ID_PATTERN, SITE_ID_RULE, Enrolment, EnrolmentError, token_hash, verify
+from .enrol import SITE_ID_PATTERN, SITE_ID_RULE, Enrolment, EnrolmentError, read_enrolment, token_hash, verify
 from .evaluation import EvalRejected, SiteEval, check_report, combine
 from .links import FINISH, GRPC_FRAME_BYTES, Close, Closed, Done, Encoded, SiteLink, SyncRequest, Upload
 from .privacy import ServerPrivacy, split_state
@@ -345,8 +345,9 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                 f"hello message of {first.ByteSize()} bytes; at most {MAX_HANDSHAKE_MESSAGE_BYTES} (a token `dadfl enroll` issues has 43 characters)",
             )
         try:
-            verify(Path(self.config.listen.tokens), hello.site_id, hello.token)
-            check_client_certificate(context, Path(self.config.listen.tokens), hello.site_id, self.config.listen.require_client_cert)
+            enrolled = read_enrolment(Path(self.config.listen.tokens))  # once per join: both checks see the same file
+            verify(enrolled, hello.site_id, hello.token)
+            check_client_certificate(context, enrolled, hello.site_id, self.config.listen.require_client_cert)
         except EnrolmentError as exc:
             log.warning("refused %s from %s: %s", hello.site_id, context.peer(), exc)
             await self._end_stream(context, grpc.StatusCode.UNAUTHENTICATED if exc.unknown else grpc.StatusCode.PERMISSION_DENIED, str(exc))
