@@ -82,7 +82,7 @@ import grpc
 import torch
 from google.protobuf.message import DecodeError
 
-from dadfl.metrics import MetricsWriter, is_eval_step, read_metrics
+from dadfl.metrics import MetricsWriter, is_eval_step, read_metrics, run_summary
 from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.protos import coordinator_pb2_grpc as cpb_grpc
 from dadfl.protos import tensor_pb2 as pb
@@ -949,26 +949,9 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         records = list(read_metrics(self.run_dir / "metrics.jsonl"))
         if not records:
             return
-        metric = self.replica.workload.metric_name
-        last_eval = next((r for r in reversed(records) if f"eval_{metric}" in r or f"test_{metric}" in r), {})
-        steps = len(records)
-        summary = {
-            "strategy": self.label,
-            "steps": steps,
-            "metric_name": metric,
-            "eval_metric": last_eval.get(f"eval_{metric}", float("nan")),
-            "eval_loss": last_eval.get("eval_loss", float("nan")),
-            "eval_samples": last_eval.get("eval_samples", 0),
-            "metric": last_eval.get(f"test_{metric}", float("nan")),
-            "test_loss": last_eval.get("test_loss", float("nan")),
-            "bytes_up_per_step": sum(r["bytes_up"] for r in records) / steps,
-            "bytes_down_per_step": sum(r["bytes_down"] for r in records) / steps,
-            "seconds_per_step": sum(r["seconds"] for r in records) / steps,
-            **(self.privacy.summary() if self.privacy else {}),
-        }
+        summary = run_summary(records, self.label, self.replica.workload.metric_name)
         if self.privacy:
+            summary.update(self.privacy.summary())
             log.info("run %s: (ε = %.3g, δ = %g)-differentially private", self.run_id, summary["dp_epsilon"], self.privacy.budget.delta)
         (self.run_dir / "summary.json").write_text(json.dumps([summary], indent=2))
         write_plots(self.run_dir)
-
-
