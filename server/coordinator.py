@@ -247,8 +247,8 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
     async def Join(self, request_iterator, context):
         try:
             await self._join(context)
-        except asyncio.CancelledError:  # the server is stopping: the stream ends here, nothing to report
-            log.info("a site stream was cancelled: the server is stopping")
+        except asyncio.CancelledError:  # the site cancelled its call, or the server is stopping: nothing to report
+            log.info("a site stream was cancelled: the site ended its call or the server is stopping")
 
     async def _join(self, context) -> None:
         if self.handshakes >= MAX_HANDSHAKES:
@@ -388,12 +388,16 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         return link
 
     async def _tell_finished(self, context, site_id: str) -> None:
-        """A site that joins a finished run gets the final state and ``finished``, then the stream ends."""
+        """A site that joins a finished run gets the final state and ``finished``, then the stream ends.
+
+        The site counts as told once ``finished`` is handed to the stream, as at the end of the
+        run: a site cancels its call as soon as it reads it, and gRPC then cancels this handler,
+        which may not have resumed from the write yet."""
         for message in self._state_messages():
             await context.write(message)
-        await context.write(cpb.ServerMessage(finished=cpb.Finished(reason=f"run {self.run_id} has finished")))
         self.told_finished.add(site_id)
         self.changed.set()
+        await context.write(cpb.ServerMessage(finished=cpb.Finished(reason=f"run {self.run_id} has finished")))
 
     async def _read_one(self, context, expected: str, timeout: float, site_id: str | None = None) -> cpb.SiteMessage:
         who = f"site {site_id}" if site_id else f"a stream from {context.peer()}"
