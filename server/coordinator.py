@@ -162,7 +162,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         self.label = strategy_label(config.strategy.name, config.strategy.options, config.strategy.label)
         self.replica = Replica(workload, self.strategy, config.optimizer)
         self.layout = self.replica.layout
-        self.facts = ModelFacts.from_model(self.replica.model, self.layout, workload.example())
+        self.facts = ModelFacts.from_model(self.replica.model, self.layout)
         try:
             self.strategy.upload_units(self.layout, self.facts, 0, 0, self.replica.model)
         except NotImplementedError:
