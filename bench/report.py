@@ -149,7 +149,7 @@ def target_a_rows(results: dict, settings: list[dict]) -> tuple[list[list[str]],
         ok = value is not None and value >= TARGET_RATIO
         if applies:
             met[setting["key"]] = ok
-        beats = value is not None and (power is None or value >= power["bytes_ratio_vs_dsgd"])
+        beats = beats_powersgd(best, power)
         bound = cost["bound"][str(best["options"]["rank"])] if best else None
         rows.append([
             setting["key"] + ("" if applies else " (not required)"), f"{group['sites']}, {group['partition']}",
@@ -158,24 +158,27 @@ def target_a_rows(results: dict, settings: list[dict]) -> tuple[list[list[str]],
             human_bytes(best["bytes_to_target"]) if best else "–", ratio(value),
             ratio(bound), f"{cost['bound_rank_zero']:.0f}×", "**met**" if ok else "not met",
             f"{power['label']}: {ratio(power['bytes_ratio_vs_dsgd'])}" if power else "none reached the target",
-            "**yes**" if beats else "no" if best or power else "neither reached",
+            {True: "**yes**", False: "no", None: "neither reached"}[beats],
         ])
     return rows, met
 
 
+def beats_powersgd(best: dict | None, power: dict | None) -> bool | None:
+    """Does the best rank-dAD reach dSGD's target with at least the best PowerSGD's bytes
+    ratio (PowerSGD not reaching it counts for rank-dAD if it does)? None when neither reaches it."""
+    if best is None and power is None:
+        return None
+    return best is not None and (power is None or best["bytes_ratio_vs_dsgd"] >= power["bytes_ratio_vs_dsgd"])
+
+
 def versus_powersgd(results: dict, settings: list[dict]) -> dict[str, bool | None]:
-    """Per setting: does the best rank-dAD reach dSGD's target with at least the best
-    PowerSGD's bytes ratio (PowerSGD not reaching it counts for rank-dAD if it does)?
-    None when neither reaches it."""
+    """Per setting: :func:`beats_powersgd`."""
     verdicts: dict[str, bool | None] = {}
     for setting in settings:
         group = headline_group(results, setting["key"])
         if group is None or group["target"] is None:
             continue
-        best, power = best_of(group, "rankdad"), best_of(group, "powersgd")
-        verdicts[setting["key"]] = None if best is None and power is None else best is not None and (
-            power is None or best["bytes_ratio_vs_dsgd"] >= power["bytes_ratio_vs_dsgd"]
-        )
+        verdicts[setting["key"]] = beats_powersgd(best_of(group, "rankdad"), best_of(group, "powersgd"))
     return verdicts
 
 

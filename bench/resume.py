@@ -13,7 +13,6 @@ run's (0.0 = bit-identical).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -26,37 +25,13 @@ import torch
 from dadfl.client.config import SiteConfig
 from dadfl.metrics import read_metrics
 from dadfl.server.enrol import enroll
+from dadfl.server.processes import free_port, write_toml
 
 OPTIONS = {
     "dad": {"downlink": "factors"},
     "rankdad": {"rank": 2, "raw_input": "low_rank", "reduce_on_server": True},
     "powersgd": {"rank": 1, "start_iter": 2},
 }
-
-
-def toml_value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
-    return json.dumps(str(value))
-
-
-def write_toml(path: Path, data: dict) -> Path:
-    top = [f"{k} = {toml_value(v)}" for k, v in data.items() if not isinstance(v, dict)]
-    tables = [f"\n[{k}]\n" + "\n".join(f"{kk} = {toml_value(vv)}" for kk, vv in v.items()) for k, v in data.items() if isinstance(v, dict)]
-    path.write_text("\n".join(top + tables) + "\n")
-    return path
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Federation:

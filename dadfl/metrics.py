@@ -61,6 +61,34 @@ def last_value(records: Iterable[dict], key: str) -> float:
     return value
 
 
+def run_summary(records: list[dict], strategy: str, metric_name: str) -> dict:
+    """One strategy's ``summary.json`` entry from its step records (at least one): totals and
+    means per step over the steps run, and the last held-out evaluation, at the sites
+    (``eval_*``) and on the coordinator's test set (``metric``, ``test_loss``)."""
+    steps = len(records)
+    last_eval = next((r for r in reversed(records) if f"eval_{metric_name}" in r or f"test_{metric_name}" in r), {})
+    bytes_up, bytes_down = sum(r["bytes_up"] for r in records), sum(r["bytes_down"] for r in records)
+    summary = {
+        "strategy": strategy,
+        "steps": steps,
+        "metric_name": metric_name,
+        "eval_metric": last_eval.get(f"eval_{metric_name}", math.nan),
+        "eval_loss": last_eval.get("eval_loss", math.nan),
+        "eval_samples": last_eval.get("eval_samples", 0),
+        "metric": last_eval.get(f"test_{metric_name}", math.nan),
+        "test_loss": last_eval.get("test_loss", math.nan),
+        "bytes_up": bytes_up,
+        "bytes_down": bytes_down,
+        "bytes_up_per_step": bytes_up / steps,
+        "bytes_down_per_step": bytes_down / steps,
+        "seconds_per_step": sum(r["seconds"] for r in records) / steps,
+    }
+    if all("wire_bytes_up" in r for r in records):  # measured on the network: the networked runtimes
+        summary["wire_bytes_up_per_step"] = sum(r["wire_bytes_up"] for r in records) / steps
+        summary["wire_bytes_down_per_step"] = sum(r["wire_bytes_down"] for r in records) / steps
+    return summary
+
+
 def is_eval_step(step: int, eval_every: int, steps: int) -> bool:
     """Held-out evaluation after steps t with (t + 1) % eval_every == 0, and after the last;
     the coordinator and every site decide it alike."""

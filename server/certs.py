@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from .enrol import EnrolmentError, verify_certificate
+from .enrol import Enrolled, EnrolmentError, verify_certificate
 
 VALID_DAYS = 365
 
@@ -132,9 +132,9 @@ def certificate_names(cert: x509.Certificate) -> set[str]:
     return names
 
 
-def check_client_certificate(context, tokens: Path, site_id: str, required: bool) -> None:
+def check_client_certificate(context, enrolled: Enrolled, site_id: str, required: bool) -> None:
     """Raise :class:`EnrolmentError` (UNAUTHENTICATED) unless the stream's client certificate,
-    when there is one or ``required``, names ``site_id`` and is not revoked."""
+    when there is one or ``required``, names ``site_id`` and is not revoked in ``enrolled``."""
     pem = context.auth_context().get("x509_pem_cert")
     if not pem:
         if required:
@@ -150,7 +150,7 @@ def check_client_certificate(context, tokens: Path, site_id: str, required: bool
         shown = ", ".join(sorted(repr(name[:64]) for name in names)[:4]) or "no names"
         raise EnrolmentError(f"the client certificate names {shown}, not site {site_id!r}: a site must use its own certificate", unknown=True)
     try:
-        verify_certificate(tokens, site_id, cert.serial_number)
+        verify_certificate(enrolled, site_id, cert.serial_number)
     except EnrolmentError as exc:
         raise EnrolmentError(str(exc), unknown=True) from None
 

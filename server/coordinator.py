@@ -82,7 +82,7 @@ import grpc
 import torch
 from google.protobuf.message import DecodeError
 
-from dadfl.metrics import MetricsWriter, is_eval_step, read_metrics
+from dadfl.metrics import MetricsWriter, is_eval_step, read_metrics, run_summary
 from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.protos import coordinator_pb2_grpc as cpb_grpc
 from dadfl.protos import tensor_pb2 as pb
@@ -98,7 +98,7 @@ from dadfl.workloads import load_workload
 from . import checkpoint
 from .config import ServerConfig
 from .certs import check_client_certificate
-from .enrol import SITE_ID_PATTERN, SITE_ID_RULE, Enrolment, EnrolmentError, token_hash, verify
+from .enrol import SITE_ID_PATTERN, SITE_ID_RULE, Enrolment, EnrolmentError, read_enrolment, token_hash, verify
 from .evaluation import EvalRejected, SiteEval, check_report, combine
 from .links import FINISH, GRPC_FRAME_BYTES, Close, Closed, Done, Encoded, SiteLink, SyncRequest, Upload
 from .privacy import ServerPrivacy, split_state
@@ -162,7 +162,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         self.label = strategy_label(config.strategy.name, config.strategy.options, config.strategy.label)
         self.replica = Replica(workload, self.strategy, config.optimizer)
         self.layout = self.replica.layout
-        self.facts = ModelFacts.from_model(self.replica.model, self.layout, workload.example())
+        self.facts = ModelFacts.from_model(self.replica.model, self.layout)
         try:
             self.strategy.upload_units(self.layout, self.facts, 0, 0, self.replica.model)
         except NotImplementedError:
@@ -247,8 +247,8 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
     async def Join(self, request_iterator, context):
         try:
             await self._join(context)
-        except asyncio.CancelledError:  # the server is stopping: the stream ends here, nothing to report
-            log.info("a site stream was cancelled: the server is stopping")
+        except asyncio.CancelledError:  # the site cancelled its call, or the server is stopping: nothing to report
+            log.info("a site stream was cancelled: the site ended its call or the server is stopping")
 
     async def _join(self, context) -> None:
         if self.handshakes >= MAX_HANDSHAKES:
@@ -345,8 +345,9 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                 f"hello message of {first.ByteSize()} bytes; at most {MAX_HANDSHAKE_MESSAGE_BYTES} (a token `dadfl enroll` issues has 43 characters)",
             )
         try:
-            verify(Path(self.config.listen.tokens), hello.site_id, hello.token)
-            check_client_certificate(context, Path(self.config.listen.tokens), hello.site_id, self.config.listen.require_client_cert)
+            enrolled = read_enrolment(Path(self.config.listen.tokens))  # once per join: both checks see the same file
+            verify(enrolled, hello.site_id, hello.token)
+            check_client_certificate(context, enrolled, hello.site_id, self.config.listen.require_client_cert)
         except EnrolmentError as exc:
             log.warning("refused %s from %s: %s", hello.site_id, context.peer(), exc)
             await self._end_stream(context, grpc.StatusCode.UNAUTHENTICATED if exc.unknown else grpc.StatusCode.PERMISSION_DENIED, str(exc))
@@ -387,12 +388,16 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         return link
 
     async def _tell_finished(self, context, site_id: str) -> None:
-        """A site that joins a finished run gets the final state and ``finished``, then the stream ends."""
+        """A site that joins a finished run gets the final state and ``finished``, then the stream ends.
+
+        The site counts as told once ``finished`` is handed to the stream, as at the end of the
+        run: a site cancels its call as soon as it reads it, and gRPC then cancels this handler,
+        which may not have resumed from the write yet."""
         for message in self._state_messages():
             await context.write(message)
-        await context.write(cpb.ServerMessage(finished=cpb.Finished(reason=f"run {self.run_id} has finished")))
         self.told_finished.add(site_id)
         self.changed.set()
+        await context.write(cpb.ServerMessage(finished=cpb.Finished(reason=f"run {self.run_id} has finished")))
 
     async def _read_one(self, context, expected: str, timeout: float, site_id: str | None = None) -> cpb.SiteMessage:
         who = f"site {site_id}" if site_id else f"a stream from {context.peer()}"
@@ -948,26 +953,9 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         records = list(read_metrics(self.run_dir / "metrics.jsonl"))
         if not records:
             return
-        metric = self.replica.workload.metric_name
-        last_eval = next((r for r in reversed(records) if f"eval_{metric}" in r or f"test_{metric}" in r), {})
-        steps = len(records)
-        summary = {
-            "strategy": self.label,
-            "steps": steps,
-            "metric_name": metric,
-            "eval_metric": last_eval.get(f"eval_{metric}", float("nan")),
-            "eval_loss": last_eval.get("eval_loss", float("nan")),
-            "eval_samples": last_eval.get("eval_samples", 0),
-            "metric": last_eval.get(f"test_{metric}", float("nan")),
-            "test_loss": last_eval.get("test_loss", float("nan")),
-            "bytes_up_per_step": sum(r["bytes_up"] for r in records) / steps,
-            "bytes_down_per_step": sum(r["bytes_down"] for r in records) / steps,
-            "seconds_per_step": sum(r["seconds"] for r in records) / steps,
-            **(self.privacy.summary() if self.privacy else {}),
-        }
+        summary = run_summary(records, self.label, self.replica.workload.metric_name)
         if self.privacy:
+            summary.update(self.privacy.summary())
             log.info("run %s: (ε = %.3g, δ = %g)-differentially private", self.run_id, summary["dp_epsilon"], self.privacy.budget.delta)
         (self.run_dir / "summary.json").write_text(json.dumps([summary], indent=2))
         write_plots(self.run_dir)
-
-

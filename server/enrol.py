@@ -7,9 +7,11 @@ The token file is JSON, rewritten atomically::
 
 ``cert_serial`` is present when ``dadfl enroll --cert`` issued the site a certificate.
 Tokens are 256 random bits, so a plain SHA-256 is a safe hash (no dictionary to attack);
-comparison is constant-time. The server rereads the file at every join, so a site
-enrolled while the server runs can join at once, and a revoked one cannot; a revoked
-site that is connected is dropped at its next upload (:class:`Enrolment`).
+comparison is constant-time. The server reads the file once at every join (both the
+token and the certificate are checked against that one reading), so a site enrolled
+while the server runs can join at once, and a revoked one cannot; a revoked site that
+is connected is dropped at its next upload (:class:`Enrolment`). Any peer can cause a
+join, so the file is read only up to ``MAX_TOKENS_FILE_BYTES``.
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ import re
 import secrets
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from dadfl.sanitize import printable
 
 SITE_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"  # use with re.fullmatch: "$" would admit a trailing newline
 SITE_ID_RULE = "1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+MAX_TOKENS_FILE_BYTES = 16 << 20  # about 80,000 enrolled sites
 
 
 class EnrolmentError(PermissionError):
@@ -47,14 +51,28 @@ def read_tokens(path: Path) -> dict[str, dict]:
     return read_enrolment(path)[0]
 
 
-def read_enrolment(path: Path) -> tuple[dict[str, dict], list[dict]]:
+class Enrolled(NamedTuple):
+    """One reading of the token file: the enrolled sites and the revoked list."""
+
+    sites: dict[str, dict]
+    revoked: list[dict]
+
+
+def read_enrolment(path: Path) -> Enrolled:
     """The enrolled sites and the revoked list (see the module's docstring)."""
-    if not path.exists():
-        return {}, []
     try:
-        data = json.loads(path.read_text())
+        with path.open("rb") as file:
+            raw = file.read(MAX_TOKENS_FILE_BYTES + 1)
+    except FileNotFoundError:
+        return Enrolled({}, [])
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read the token file ({type(exc).__name__}); it must be a file the server may read") from None
+    if len(raw) > MAX_TOKENS_FILE_BYTES:
+        raise ValueError(f"{path}: over {MAX_TOKENS_FILE_BYTES >> 20} MiB, more than a token file of any federation; check that listen.tokens names the file `dadfl enroll` writes")
+    try:
+        data = json.loads(raw)
         sites, revoked = data["sites"], data.get("revoked", [])
-    except (ValueError, KeyError, TypeError, OSError) as exc:
+    except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{path}: not a dadfl token file ({type(exc).__name__}); re-enrol the sites with `dadfl enroll`") from None
     if not isinstance(sites, dict):
         raise ValueError(f"{path}: 'sites' is not a table of site ids; re-enrol the sites with `dadfl enroll`")
@@ -63,7 +81,7 @@ def read_enrolment(path: Path) -> tuple[dict[str, dict], list[dict]]:
             raise ValueError(f"{path}: the entry of site {printable(site_id)} is not one `dadfl enroll` writes; re-enrol it with `dadfl enroll --replace`")
     if not isinstance(revoked, list) or not all(isinstance(item, dict) for item in revoked):
         raise ValueError(f"{path}: 'revoked' is not a list of revoked sites; restore it from a backup or remove it")
-    return sites, revoked
+    return Enrolled(sites, revoked)
 
 
 def now_text() -> str:
@@ -125,9 +143,9 @@ def write_tokens(path: Path, sites: dict[str, dict], revoked: list[dict] | None 
     os.replace(tmp, path)
 
 
-def verify(path: Path, site_id: str, token: str) -> None:
+def verify(enrolled: Enrolled, site_id: str, token: str) -> None:
     """Raise :class:`EnrolmentError` with the reason unless ``token`` is ``site_id``'s token."""
-    sites, revoked = read_enrolment(path)
+    sites, revoked = enrolled
     entry = sites.get(site_id)
     if entry is None and any(item.get("site") == site_id for item in revoked):
         raise EnrolmentError(
@@ -147,10 +165,10 @@ def verify(path: Path, site_id: str, token: str) -> None:
         )
 
 
-def verify_certificate(path: Path, site_id: str, serial: int) -> None:
+def verify_certificate(enrolled: Enrolled, site_id: str, serial: int) -> None:
     """Raise :class:`EnrolmentError` when the certificate ``serial`` presented for ``site_id``
     is revoked, or is not the one ``dadfl enroll --cert`` issued to the site."""
-    sites, revoked = read_enrolment(path)
+    sites, revoked = enrolled
     serial_text = f"{serial:x}"
     if any(item.get("cert_serial") == serial_text for item in revoked):
         raise EnrolmentError(f"the certificate of site {site_id!r} (serial {serial_text}) was revoked", unknown=False)

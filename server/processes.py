@@ -133,18 +133,20 @@ def simulate_processes(
             start("coordinator", _module("dadfl.server", "--config", str(server_toml), "--insecure"))
             for site_toml in site_tomls:
                 start(site_toml.stem, _module("dadfl.client", "--config", str(site_toml), "--insecure"))
-            records = _follow(folder / "run" / "metrics.jsonl", processes, logs, metrics, progress)
+            _follow(folder / "run" / "metrics.jsonl", processes, logs, metrics, progress)
         finally:
             for process in processes.values():
                 if process.poll() is None:
                     process.kill()
                     process.wait()
-    return _summary(spec, config, records)
+        summary = folder / "run" / "summary.json"
+        if not summary.exists():
+            raise ProcessFailed(f"the coordinator exited without writing {summary.name}:\n{logs['coordinator'].read_text()[-3000:]}")
+        return json.loads(summary.read_text())[0]  # the coordinator's summary of its records (metrics.run_summary)
 
 
-def _follow(path: Path, processes: dict, logs: dict, metrics: MetricsWriter, progress) -> list[dict]:
+def _follow(path: Path, processes: dict, logs: dict, metrics: MetricsWriter, progress) -> None:
     """Copy records as the coordinator writes them, until every process has exited."""
-    records: list[dict] = []
     offset = 0
     while True:
         running = [name for name, p in processes.items() if p.poll() is None]
@@ -157,7 +159,6 @@ def _follow(path: Path, processes: dict, logs: dict, metrics: MetricsWriter, pro
                         break  # a record being written: read it next time
                     offset += len(line.encode())
                     record = json.loads(line)
-                    records.append(record)
                     metrics.write(record)
                     if progress:
                         progress(record["step"])
@@ -165,28 +166,5 @@ def _follow(path: Path, processes: dict, logs: dict, metrics: MetricsWriter, pro
             name = failed[0]
             raise ProcessFailed(f"{name} exited with {processes[name].returncode}:\n{logs[name].read_text()[-3000:]}")
         if not running:
-            return records
+            return
         time.sleep(POLL_S)
-
-
-def _summary(spec: StrategySpec, config: SimulationConfig, records: list[dict]) -> dict[str, Any]:
-    """The in-process simulation's summary, from the coordinator's records."""
-    last = records[-1]
-    metric_name = next((k[len("test_") :] for k in last if k.startswith("test_") and k != "test_loss"), "accuracy")
-    bytes_up = sum(r["bytes_up"] for r in records)
-    bytes_down = sum(r["bytes_down"] for r in records)
-    return {
-        "strategy": spec.display,
-        "steps": config.steps,
-        "bytes_up": bytes_up,
-        "bytes_down": bytes_down,
-        "metric_name": metric_name,
-        "metric": last.get(f"test_{metric_name}", float("nan")),
-        "test_loss": last.get("test_loss", float("nan")),
-        "bytes_up_per_step": bytes_up / config.steps,
-        "bytes_down_per_step": bytes_down / config.steps,
-        "seconds_per_step": sum(r["seconds"] for r in records) / config.steps,
-        "wire_bytes_up_per_step": sum(r["wire_bytes_up"] for r in records) / config.steps,
-        "wire_bytes_down_per_step": sum(r["wire_bytes_down"] for r in records) / config.steps,
-        **({"dp_epsilon": private[-1]["dp_epsilon"]} if (private := [r for r in records if "dp_epsilon" in r]) else {}),
-    }

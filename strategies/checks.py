@@ -7,8 +7,9 @@ captured layer as activations and deltas, or as its dense gradient, ...). A form
 its tensors with their shapes and dtypes; a shape may use two symbols:
 
 - ``ROWS``: the layer's rows, ``num_samples`` × the rows one sample makes in that layer
-  (1 for an MLP, positions for a convolution, time steps for a recurrent cell), measured
-  once on an example batch (:class:`ModelFacts`); every tensor of the form has the same;
+  (1 for an MLP, positions for a convolution, time steps for a recurrent cell), counted
+  by the layout's probe on its example batch (``CapturedLayer.rows_per_sample``); every
+  tensor of the form has the same;
 - ``RANK``: the same within the form, between 1 and the form's ``max_rank``;
 - ``LOOKUPS``: an embedding's looked-up ids (and their delta rows), the same within the
   form, at most ``num_samples`` × the lookups one sample makes (padding ids are not sent);
@@ -39,7 +40,7 @@ import torch
 from torch import nn
 
 from .base import BUFFER_ROLE, GRAD_ROLE, IDS_ROLE, ROWS_ROLE, Payload, split_key, tensor_key
-from .capture import LOOKUP, CallRecorder, as_args, id_dtype
+from .capture import LOOKUP, id_dtype
 from .layout import CapturedLayer, Layout
 
 ROWS = "rows"
@@ -93,41 +94,17 @@ class ModelFacts:
 
     params: dict[str, tuple[tuple[int, ...], torch.dtype]]
     buffers: dict[str, tuple[tuple[int, ...], torch.dtype]]
-    rows_per_sample: dict[str, int | None]
-    lookups_per_sample: dict[str, int | None] = field(default_factory=dict)
+    rows_per_sample: dict[str, int]  # a layer not here: any multiple of num_samples
+    lookups_per_sample: dict[str, int] = field(default_factory=dict)  # a layer not here: no bound per sample
 
     @classmethod
-    def from_model(cls, model: nn.Module, layout: Layout, example_inputs) -> "ModelFacts":
-        inputs = as_args(example_inputs)
-        batch = int(inputs[0].shape[0])
-        params = dict(model.named_parameters())
-        recorder = CallRecorder({id(params[l.weight]): (l.weight, params[l.weight]) for l in layout.layers})
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.enable_grad(), recorder:  # calls are recorded where they carry gradient
-                model(*inputs)
-        finally:
-            model.train(was_training)
-        rows: dict[str, int] = {}
-        lookups: dict[str, int] = {}
-        for layer in layout.layers:
-            for call in recorder.calls.get(layer.weight, []):
-                counts = lookups if call.kind == LOOKUP else rows
-                counts[layer.module] = counts.get(layer.module, 0) + call.inputs.shape[0]
-
-        def per_sample(counts: dict[str, int]) -> dict[str, int | None]:
-            return {
-                layer.module: (counts[layer.module] // batch if counts[layer.module] % batch == 0 else None)
-                for layer in layout.layers
-                if layer.module in counts
-            }
-
+    def from_model(cls, model: nn.Module, layout: Layout) -> "ModelFacts":
+        """Shapes and dtypes from ``model``; rows and lookups per sample as the layout's probe counted them."""
         return cls(
             params={name: (tuple(p.shape), p.dtype) for name, p in model.named_parameters()},
             buffers={name: (tuple(b.shape), b.dtype) for name, b in model.named_buffers()},
-            rows_per_sample=per_sample(rows),
-            lookups_per_sample=per_sample(lookups),
+            rows_per_sample={l.module: l.rows_per_sample for l in layout.layers if l.rows_per_sample is not None},
+            lookups_per_sample={l.module: l.lookups_per_sample for l in layout.layers if l.lookups_per_sample is not None},
         )
 
     # ------------------------------------------------------------ forms strategies share

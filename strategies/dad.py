@@ -58,12 +58,6 @@ def dense_nbytes(layer: CapturedLayer, itemsize: int) -> int:
     return (layer.weight_numel + (layer.out_features if layer.bias else 0)) * itemsize
 
 
-def dense_layer(local: LocalResult, layer: CapturedLayer) -> dict[str, torch.Tensor]:
-    """The layer's gradients, where it has them (a layer no row reached has none)."""
-    names = (layer.weight, layer.bias) if layer.bias else (layer.weight,)
-    return {tensor_key(name, GRAD_ROLE): local.grads[name] for name in names if name in local.grads}
-
-
 class FactorSite(Stateless):
     """Site half: per layer, its factors where ``sends_factors`` says so, else its gradient."""
 
@@ -78,7 +72,7 @@ class FactorSite(Stateless):
             if factors is not None and self.sends_factors(layer, factors):
                 tensors.update(factors.tensors(layer.module))
             else:
-                tensors.update(dense_layer(local, layer))
+                tensors.update(dense_upload(local, layer.params, ()))  # none where no row reached it
         return Payload(step, 0, local.num_samples, tensors)
 
     def receive(self, message: Payload) -> None:

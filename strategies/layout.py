@@ -40,6 +40,11 @@ class CapturedLayer:
     # Other functions that read the weight on the probe without changing its gradient (their
     # results do not reach the output); a step where something else reads it sends it dense.
     uses: tuple[str, ...] = ()
+    # Counted on the probe's example, per sample (None: no such call, or not a whole number
+    # per sample): the rows of its linear/conv calls and the ids of its lookups, which bound
+    # what a site may send for it (ROWS and LOOKUPS in checks.py).
+    rows_per_sample: int | None = None
+    lookups_per_sample: int | None = None
 
     @property
     def in_features(self) -> int:
@@ -52,6 +57,11 @@ class CapturedLayer:
     @property
     def weight_numel(self) -> int:
         return self.groups * self.in_per_group * self.out_per_group
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        """The parameters its payload covers: the weight, and the bias when read off the deltas."""
+        return (self.weight, self.bias) if self.bias else (self.weight,)
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,7 @@ def probe_layers(
         if name in recorder.refused:
             reasons[name] = recorder.refused[name]
         elif calls:
-            layer, why = _candidate(name, params, calls, sorted(recorder.uses.get(name, ())))
+            layer, why = _candidate(name, params, calls, sorted(recorder.uses.get(name, ())), int(args[0].shape[0]))
             if layer is not None:
                 layer, refused = _verify(layer, calls, autograd)
                 reasons.update(refused)
@@ -90,9 +90,9 @@ def _tensors(value) -> list[torch.Tensor]:
 
 
 def _candidate(
-    name: str, params: dict[str, torch.Tensor], calls: Sequence[Call], uses: Sequence[str]
+    name: str, params: dict[str, torch.Tensor], calls: Sequence[Call], uses: Sequence[str], batch: int
 ) -> tuple[CapturedLayer | None, str]:
-    """The layer the calls describe, or None and why they cannot be one."""
+    """The layer the calls describe (on an example of ``batch`` samples), or None and why they cannot be one."""
     weight = params[name]
     forms = call_forms(calls)
     matmul = [f for f in forms if f != LOOKUP]
@@ -123,9 +123,17 @@ def _candidate(
             raw_input=any(c.raw for c in calls),
             forms=forms,
             uses=tuple(uses),
+            rows_per_sample=_per_sample([c for c in calls if c.kind != LOOKUP], batch),
+            lookups_per_sample=_per_sample([c for c in calls if c.kind == LOOKUP], batch),
         ),
         "",
     )
+
+
+def _per_sample(calls: Sequence[Call], batch: int) -> int | None:
+    """The input rows (or ids) of ``calls`` per sample; None without calls or when not a whole number."""
+    count = sum(c.inputs.shape[0] for c in calls)
+    return count // batch if calls and count % batch == 0 else None
 
 
 def _verify(layer: CapturedLayer, calls: Sequence[Call], autograd: dict) -> tuple[CapturedLayer | None, dict[str, str]]:

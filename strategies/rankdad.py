@@ -126,7 +126,6 @@ from .base import (
 )
 from .checks import RANK, Form, Spec, Unit, layerwise_contribution
 from .layout import CapturedLayer, Layout
-from .dad import dense_layer
 from .power_iteration import Lookups, dense_power_iteration, effective_rank, make_generator, power_iteration, reduce_sum
 
 EFFECTIVE_RANK_RTOL = 1e-3  # describe(): components above this fraction of the largest
@@ -274,7 +273,7 @@ class RankDADSite:
     def begin(self, local: LocalResult, step: int) -> Payload:
         tensors = dense_upload(local, self.plan.dense_params, self.layout.buffers)
         for layer in self.plan.dense_layers:
-            tensors.update(dense_layer(local, layer))
+            tensors.update(dense_upload(local, layer.params, ()))
         n = local.num_samples
         for target in self.plan.matrices:
             tensors.update(self._compress(target, local, n))

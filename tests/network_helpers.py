@@ -7,7 +7,6 @@ TLS, real files); threads only save the seconds a fresh Python process costs.
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 from pathlib import Path
 
@@ -15,14 +14,9 @@ from dadfl.client.config import SiteConfig
 from dadfl.client.site import run_site
 from dadfl.server.config import ServerConfig
 from dadfl.server.enrol import enroll, write_tokens
+from dadfl.server.processes import free_port  # noqa: F401 (for the tests that import it from here)
 from dadfl.server.runtime import serve
 from dadfl.workloads import BUILTIN
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def server_config(tmp: Path, **sections) -> ServerConfig:

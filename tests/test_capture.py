@@ -138,7 +138,7 @@ def test_strategy_checks_embedding_ids_and_rows():
     layout, batches, sites, locals_, _, _ = run_site("gru", (3, 2), raw_input="activations")
     model = build("gru")
     strategy = make_strategy("dad", raw_input="activations")
-    facts = ModelFacts.from_model(model, layout, batches[0][0])
+    facts = ModelFacts.from_model(model, layout)
     assert facts.lookups_per_sample["embed"] == 5, "one lookup per token"
     payload = sites[0].begin(locals_[0], 0)
 

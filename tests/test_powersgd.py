@@ -7,7 +7,6 @@ steps with error feedback and warm start) with the updates our two in-process si
 reconstruct from the same model, batches and optimizer steps.
 """
 
-import socket
 import subprocess
 import sys
 import textwrap
@@ -17,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dadfl.server.processes import free_port
 from dadfl.strategies import Layout, apply_update, local_step, make_strategy, reference_update, step_update
 from dadfl.strategies.powersgd import PowerSGD, orthogonalize, plan
 from dadfl.strategies.step import exchange
@@ -90,12 +90,6 @@ HOOK_RUNS = [
     dict(rank=1, steps=6, seed=1),
     dict(rank=4, steps=5, seed=2),
 ]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_options(rank):

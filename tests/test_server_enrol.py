@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from dadfl.cli import app
 from dadfl.client.config import SiteConfig
 from dadfl.client.site import SiteRefused, run_site
-from dadfl.server.enrol import EnrolmentError, enroll, verify
+from dadfl.server.enrol import MAX_TOKENS_FILE_BYTES, EnrolmentError, enroll, read_enrolment, verify
 from network_helpers import ServerThread, SiteThread, server_config, site_config
 
 
@@ -21,11 +21,11 @@ def test_token_file_holds_only_hashes(tmp_path):
     text = path.read_text()
     assert token not in text and "hospital-a" in text
     assert oct(path.stat().st_mode & 0o777) == "0o600"
-    verify(path, "hospital-a", token)
+    verify(read_enrolment(path), "hospital-a", token)
     with pytest.raises(EnrolmentError, match="wrong token"):
-        verify(path, "hospital-a", token + "x")
+        verify(read_enrolment(path), "hospital-a", token + "x")
     with pytest.raises(EnrolmentError, match="not enrolled"):
-        verify(path, "hospital-b", token)
+        verify(read_enrolment(path), "hospital-b", token)
 
 
 def test_enrolling_twice_needs_replace_and_revokes_the_old_token(tmp_path):
@@ -34,9 +34,20 @@ def test_enrolling_twice_needs_replace_and_revokes_the_old_token(tmp_path):
     with pytest.raises(ValueError, match="already enrolled"):
         enroll(path, "a")
     new = enroll(path, "a", replace=True)
-    verify(path, "a", new)
+    verify(read_enrolment(path), "a", new)
     with pytest.raises(EnrolmentError):
-        verify(path, "a", old)
+        verify(read_enrolment(path), "a", old)
+
+
+def test_an_oversized_token_file_is_refused(tmp_path):
+    path = tmp_path / "tokens.json"
+    token = enroll(path, "a")
+    with path.open("a") as file:  # still JSON: only its size is wrong
+        file.write(" " * MAX_TOKENS_FILE_BYTES)
+    with pytest.raises(ValueError, match="over 16 MiB"):
+        read_enrolment(path)
+    path.write_text(path.read_text().strip())
+    verify(read_enrolment(path), "a", token)
 
 
 def test_bad_site_ids_are_refused(tmp_path):
@@ -53,7 +64,7 @@ def test_enroll_command_prints_a_valid_site_config(tmp_path):
     assert result.exit_code == 0, result.output
     site = SiteConfig.model_validate(tomllib.loads(result.output))
     assert site.site_id == "hospital-a" and site.connect.server == "fl.example.org:50051"
-    verify(tmp_path / "tokens.json", "hospital-a", site.token)
+    verify(read_enrolment(tmp_path / "tokens.json"), "hospital-a", site.token)
     assert "sha256" in json.loads((tmp_path / "tokens.json").read_text())["sites"]["hospital-a"]
 
 

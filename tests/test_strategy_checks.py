@@ -45,7 +45,7 @@ def federation(spec: str, name: str, sizes=(16, 11, 7)):
     strategy = make_strategy(STRATEGIES[name][0], **STRATEGIES[name][1])
     model = workload.build_model()
     layout = Layout.from_model(model, workload.train.inputs[:2])
-    facts = ModelFacts.from_model(model, layout, workload.train.inputs[:2])
+    facts = ModelFacts.from_model(model, layout)
     locals_, start = [], 0
     for size in sizes:
         x, y = workload.train.inputs[start : start + size], workload.train.targets[start : start + size]
@@ -76,7 +76,7 @@ def test_rows_per_sample_follow_the_layer():
     workload = workload_named("digits-cnn")
     model = workload.build_model()
     layout = Layout.from_model(model, workload.train.inputs[:2])
-    rows = ModelFacts.from_model(model, layout, workload.train.inputs[:2]).rows_per_sample
+    rows = ModelFacts.from_model(model, layout).rows_per_sample
     assert max(rows.values()) > 1 and min(rows.values()) == 1  # conv positions, then the linear head
 
 
