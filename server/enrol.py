@@ -191,7 +191,7 @@ class Enrolment:
 
     def __init__(self, path: Path):
         self.path = path
-        self._stamp: tuple[int, int] | None = None
+        self._stamp: tuple[int, int, int] | None = None
         self._sites: dict[str, dict] = {}
 
     def sites(self) -> dict[str, dict]:
@@ -199,7 +199,9 @@ class Enrolment:
             stat = self.path.stat()
         except FileNotFoundError:
             return self._sites
-        stamp = (stat.st_mtime_ns, stat.st_size)
+        # write_tokens replaces the file, so a new version has a new inode even when it has
+        # the old one's size and lands in the same clock tick.
+        stamp = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
         if stamp != self._stamp:
             try:
                 self._sites = read_tokens(self.path)

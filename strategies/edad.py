@@ -141,8 +141,7 @@ class EDADSite(Stateless):
             name
             for layer in layout.layers
             if layer.module not in factored_names
-            for name in (layer.weight, layer.bias)
-            if name
+            for name in layer.params
         ]
 
     def begin(self, local: LocalResult, step: int) -> Payload:

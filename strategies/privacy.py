@@ -331,9 +331,9 @@ def per_sample_norms(model: nn.Module, layout: Layout, plan: ClipPlan, recorder:
         layer_sq = factor_sq_norms(layer, recorder.recorder.calls.get(layer.weight, []), batch)
         if layer_sq is not None:
             sq = sq + layer_sq
-            covered.update(n for n in (layer.weight, layer.bias) if n)
+            covered.update(layer.params)
         elif not any(c.delta is not None for c in recorder.recorder.calls.get(layer.weight, [])):
-            covered.update(n for n in (layer.weight, layer.bias) if n)  # no call reached the loss: zero
+            covered.update(layer.params)  # no call reached the loss: zero
     from_calls = call_sq_norms(recorder.recorder, [n for n in plan.from_calls if n not in covered], batch)
     for name, call_sq in from_calls.items():
         sq = sq + call_sq

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import tomllib
 
 import pytest
@@ -11,7 +12,7 @@ from typer.testing import CliRunner
 from dadfl.cli import app
 from dadfl.client.config import SiteConfig
 from dadfl.client.site import SiteRefused, run_site
-from dadfl.server.enrol import MAX_TOKENS_FILE_BYTES, EnrolmentError, enroll, read_enrolment, verify
+from dadfl.server.enrol import MAX_TOKENS_FILE_BYTES, Enrolment, EnrolmentError, enroll, read_enrolment, verify
 from network_helpers import ServerThread, SiteThread, server_config, site_config
 
 
@@ -90,3 +91,18 @@ def test_unknown_sites_and_bad_tokens_are_refused_and_the_run_goes_on(tmp_path):
     summary = SiteThread(good).start().join()
     server.join()
     assert summary.steps == 2
+
+
+def test_a_running_coordinator_sees_a_re_enrolment_of_the_same_size_in_the_same_clock_tick(tmp_path):
+    """The token file is replaced on every write: a new version is seen even when its size and
+    modification time equal the old one's (a fast `enroll --replace`)."""
+    path = tmp_path / "tokens.json"
+    enroll(path, "hospital-a")
+    enrolment = Enrolment(path)
+    joined_with = enrolment.sites()["hospital-a"]["sha256"]
+    assert enrolment.revocation("hospital-a", joined_with) is None
+    before = path.stat()
+    enroll(path, "hospital-a", replace=True)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert path.stat().st_size == before.st_size and path.stat().st_mtime_ns == before.st_mtime_ns
+    assert "enrolled again" in enrolment.revocation("hospital-a", joined_with)
