@@ -84,3 +84,35 @@ def test_bytes_match_the_cost_formulas(suite):
     assert powersgd["up_per_site"] == powersgd["down_per_site"] == FLOAT * (factors + biases)
     assert results["costs"]["digits-mlp"]["low_rank"][str(RANK)] * FLOAT == rankdad["up_per_site"]
     assert [stats[k]["round_trips"] for k in ("dsgd", "dad", f"rankdad r={RANK}", f"powersgd r={RANK}")] == [1, 1, 1, 2]
+
+
+def test_time_to_target_is_each_strategys_steps_times_its_step_time_on_the_link(suite, tmp_path):
+    """The report's time-to-target tables on the smoke results, with link step times given:
+    seconds = steps to target × measured s/step; dad/auto/edad take dSGD's steps; the choice
+    table names the fastest."""
+    from bench.report import time_to_target_section
+
+    _, results = suite
+    group, stats = strategies(results)
+    labels = list(stats)
+    # Step times that make the slowest-converging strategy fastest on the link: the choice must follow seconds.
+    reached = {label: s["steps_to_target"] for label, s in stats.items() if s["steps_to_target"]}
+    assert "dsgd" in reached and len(reached) >= 3
+    slowest = max(reached, key=reached.get)
+    seconds = {label: (0.001 if label == slowest else 1.0 + i) for i, label in enumerate(labels)}
+    links = {
+        "setting": group["setting"], "sites": group["sites"],
+        "rates": {"unshaped": {}, "1 Mbit/s, 40 ms RTT": {}},
+        "strategies": {label: {"1 Mbit/s, 40 ms RTT": {"seconds": seconds[label], "bound": seconds[label] / 2}} for label in labels},
+    }
+    text = "\n".join(time_to_target_section(links, results, tmp_path, tmp_path))
+    for label in labels:
+        steps = stats["dsgd"]["steps_to_target"] if label in ("dad", "auto", "edad") else stats[label]["steps_to_target"]
+        row = next(line for line in text.splitlines() if line.startswith(f"| {label} |"))
+        if steps:
+            assert f"| {steps} | {steps * seconds[label]:.1f} ({steps * seconds[label] / 2:.1f}) |" in row, row
+        else:
+            assert "not reached" in row
+    choice = next(line for line in text.splitlines() if line.startswith("| 1 Mbit/s, 40 ms RTT | IID |"))
+    assert choice.endswith(f"**{slowest}** |"), choice
+    assert (tmp_path / f"bench_{group['setting']}_metric_vs_seconds.png").stat().st_size > 0
