@@ -387,5 +387,5 @@ def decode_message(layout: Layout, message: Payload) -> dict[str, torch.Tensor]:
                 update[layer.bias] = bias / total
         elif p_key in message.tensors:
             P, Q = message.tensors[p_key], message.tensors[tensor_key(layer.module, "Q")]
-            update[layer.weight] = torch.bmm(P, Q.transpose(1, 2)).reshape(layer.weight_shape) / total
+            update[layer.weight] = torch.bmm(P, Q.transpose(1, 2)).reshape(layer.weight_shape).div_(total)
     return update

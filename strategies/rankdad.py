@@ -126,7 +126,7 @@ from .base import (
 )
 from .checks import RANK, Form, Spec, Unit, layerwise_contribution
 from .layout import CapturedLayer, Layout
-from .power_iteration import Lookups, dense_power_iteration, effective_rank, make_generator, power_iteration, reduce_sum
+from .power_iteration import Lookups, LowRank, dense_power_iteration, effective_rank, make_generator, power_iteration, reduce_sum
 
 EFFECTIVE_RANK_RTOL = 1e-3  # describe(): components above this fraction of the largest
 
@@ -195,6 +195,14 @@ def plan(layout: Layout, rank: int, raw_input: str) -> Plan:
                 continue
         dense_params.append(name)
     return Plan(tuple(matrices), dense_layers, tuple(dense_params))
+
+
+def residual(M: torch.Tensor, memory: torch.Tensor | None, result: LowRank) -> torch.Tensor:
+    """The new error memory (M + memory) − P Qᵀ, written into M, which the caller made for it:
+    the same sums without two more m × k tensors per step (fresh ones cost page faults)."""
+    if memory is not None:
+        M.add_(memory)
+    return M.sub_(result.dense())
 
 
 class _Generators:
@@ -304,8 +312,8 @@ class RankDADSite:
             result = power_iteration(factors.A, factors.D, options.rank, generator=generator, scale=1.0 / n,
                                      memory=memory, lookups=lookups, **common)
             if options.error_feedback:  # the dense residual: local, never sent
-                M = layer_gradient(target.layer, factors.tensors(target.key))[0].reshape(shape) / n
-                state.errors[target.key] = (M if memory is None else M + memory) - result.dense()
+                M = layer_gradient(target.layer, factors.tensors(target.key))[0].reshape(shape).div_(n)
+                state.errors[target.key] = residual(M, memory, result)
         else:
             grad = local.grads.get(target.weight)
             if grad is None:  # this batch did not reach it: a zero gradient, as PowerSGD counts it
@@ -313,10 +321,10 @@ class RankDADSite:
                 grad = torch.zeros(target.weight_shape) if like is None else like.new_zeros(target.weight_shape)
             M = grad.reshape(shape) / n
             if memory is not None:
-                M = M + memory
+                M.add_(memory)
             result = dense_power_iteration(M, options.rank, generator=state.generators.on(M.device), **common)
             if options.error_feedback:
-                state.errors[target.key] = M - result.dense()
+                state.errors[target.key] = residual(M, None, result)
         if options.warm_start:
             state.warm[target.key] = result.Q
         return target.factors(result.P * n, result.Q)
@@ -396,8 +404,8 @@ class RankDADServer:
             generator=state.generators.on(Ps[0].device), tol=options.tol, scale=1.0 / total, memory=memory,
         )
         if options.error_feedback:
-            X = torch.bmm(torch.cat(Ps, dim=2), torch.cat(Qs, dim=2).transpose(1, 2)) / total
-            state.errors[target.key] = (X if memory is None else X + memory) - result.dense()
+            X = torch.bmm(torch.cat(Ps, dim=2), torch.cat(Qs, dim=2).transpose(1, 2)).div_(total)
+            state.errors[target.key] = residual(X, memory, result)
         if options.warm_start:
             state.warm[target.key] = result.Q
         return target.factors(result.P * total, result.Q)
@@ -447,7 +455,7 @@ class RankDAD(Strategy):
             factors = target.read(message) if target.layer is None else None
             if factors is not None:
                 P, Q = factors
-                update[target.weight] = torch.bmm(P, Q.transpose(1, 2)).reshape(target.weight_shape) / message.num_samples
+                update[target.weight] = torch.bmm(P, Q.transpose(1, 2)).reshape(target.weight_shape).div_(message.num_samples)
         return update
 
     def upload_units(self, layout: Layout, facts, phase: int, step: int, model=None) -> list | None:

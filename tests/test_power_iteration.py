@@ -10,6 +10,7 @@ from dadfl.strategies.power_iteration import (
     make_generator,
     power_iteration,
     reduce_sum,
+    thin_product,
 )
 
 
@@ -195,3 +196,19 @@ def test_tied_head_and_lookups_add_up():
     best = torch.linalg.svdvals(full)[:2]
     approx = power_iteration(A, D, 2, iterations=20, lookups=table)
     torch.testing.assert_close(approx.S[0], best, rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("rank", [1, 2, 4])
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("column_major", [False, True])
+def test_thin_product_is_the_product_in_every_layout(rank, transposed, column_major):
+    """M X in every memory order of M (row-major or a transposed view) and X (row- or
+    column-major, as QR returns it), against the product in double precision."""
+    g = torch.Generator().manual_seed(rank)
+    M = torch.randn(2, 70, 50, generator=g)
+    if transposed:
+        M = torch.randn(2, 50, 70, generator=g).transpose(1, 2)
+    X = torch.randn(2, rank, 50, generator=g).transpose(1, 2) if column_major else torch.randn(2, 50, rank, generator=g)
+    product = thin_product(M, X)
+    assert product.shape == (2, 70, rank)
+    assert rel(product.double(), torch.bmm(M.double(), X.double())) < 1e-6
