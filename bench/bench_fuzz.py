@@ -312,14 +312,11 @@ def run_fuzzer(fuzzer: Fuzzer, config: SiteConfig) -> None:
 
 
 def write_configs(tmp: Path, steps: int, strategy: str, max_update_norm: float | None) -> Path:
-    return write_server_toml(tmp, steps, strategy, optimizer='name = "sgd"\nlr = 0.1\nmomentum = 0.9', federation=f"""\
-min_sites = 2
-initial_sites = 2
-phase_timeout_s = 5
-quorum_timeout_s = 120
-linger_s = 2
-quarantine_after = 1000000  # keep fuzzing: every case is one refusal
-{f"max_update_norm = {max_update_norm}" if max_update_norm else ""}""")
+    federation = {"min_sites": 2, "initial_sites": 2, "phase_timeout_s": 5, "quorum_timeout_s": 120, "linger_s": 2,
+                  "quarantine_after": 1_000_000}  # keep fuzzing: every case is one refusal
+    if max_update_norm:
+        federation["max_update_norm"] = max_update_norm
+    return write_server_toml(tmp, steps, strategy, optimizer={"name": "sgd", "lr": 0.1, "momentum": 0.9}, federation=federation)
 
 
 def site_toml(tmp: Path, site_id: str, endpoint: str, index: int) -> Path:

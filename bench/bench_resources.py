@@ -42,12 +42,9 @@ MIB = 1 << 20
 
 
 def start_server(tmp: Path, steps: int, min_sites: int, initial_sites: int) -> tuple[subprocess.Popen, str]:
-    config = write_server_toml(tmp, steps, federation=f"""\
-min_sites = {min_sites}
-initial_sites = {initial_sites}
-phase_timeout_s = 20
-quorum_timeout_s = 120
-linger_s = 1""")
+    config = write_server_toml(tmp, steps, federation={
+        "min_sites": min_sites, "initial_sites": initial_sites, "phase_timeout_s": 20, "quorum_timeout_s": 120, "linger_s": 1,
+    })
     return start_coordinator(tmp, config)
 
 

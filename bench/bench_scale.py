@@ -49,7 +49,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))  # `python bench/bench_scale.py`: the bench package next to this file
 
 from bench.bench_overhead import tiny_workload as tiny_linear  # noqa: E402
-from bench.coordinator_process import rss_kib, start_coordinator  # noqa: E402
+from bench.coordinator_process import rss_kib, start_coordinator, write_server_toml  # noqa: E402
 
 WORKLOAD = "bench_scale:tiny_workload"
 SAMPLES_PER_SITE = 16
@@ -113,34 +113,6 @@ def worker(folder: Path, first: int, count: int) -> None:
 # ----------------------------------------------------------------------------- one site count
 
 
-def server_toml(folder: Path, n_sites: int, steps: int) -> Path:
-    path = folder / "server.toml"
-    path.write_text(f"""\
-run_dir = "{folder / 'run'}"
-threads = 1
-[listen]
-address = "127.0.0.1:0"
-tokens = "{folder / 'tokens.json'}"
-[workload]
-spec = "{WORKLOAD}"
-options = {{ sites = {n_sites} }}
-[strategy]
-name = "dsgd"
-[training]
-steps = {steps}
-batch_size = {SAMPLES_PER_SITE}
-eval_every = {steps}
-checkpoint_every = 0
-progress_every_s = 30
-[federation]
-min_sites = {n_sites}
-quorum_timeout_s = {RUN_TIMEOUT_S}
-phase_timeout_s = 300
-linger_s = 0
-""")
-    return path
-
-
 def enrol(folder: Path, n_sites: int) -> list[str]:
     """Tokens for ``site-0000`` ... with the real enrolment code (``dadfl enroll``)."""
     from dadfl.server.enrol import enroll
@@ -154,7 +126,11 @@ def run_scale(n_sites: int, steps: int, processes: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         tokens = enrol(folder, n_sites)
-        coordinator, endpoint = start_coordinator(folder, server_toml(folder, n_sites, steps))
+        coordinator, endpoint = start_coordinator(folder, write_server_toml(
+            folder, steps, workload={"spec": WORKLOAD, "options": {"sites": n_sites}},
+            training={"batch_size": SAMPLES_PER_SITE, "progress_every_s": 30},
+            federation={"min_sites": n_sites, "quorum_timeout_s": RUN_TIMEOUT_S, "phase_timeout_s": 300, "linger_s": 0},
+        ))
         rss_listening = rss_kib(coordinator.pid)["VmRSS"]
         plan = [site_settings(folder, endpoint, i, n_sites, tokens[i]) for i in range(n_sites)]
         (folder / "sites.json").write_text(json.dumps(plan))

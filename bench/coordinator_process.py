@@ -7,35 +7,26 @@ import sys
 import time
 from pathlib import Path
 
+from dadfl.server.processes import write_toml
+
 START_TIMEOUT_S = 120.0
 
 
-def write_server_toml(tmp: Path, steps: int, strategy: str = "dsgd", optimizer: str = "", federation: str = "") -> Path:
-    """A digits-mlp run of ``steps`` in ``tmp``; ``optimizer`` and ``federation`` are the
-    TOML lines of those sections."""
-    path = tmp / "server.toml"
-    path.write_text(f"""\
-run_dir = "{tmp / 'run'}"
-threads = 1
-[listen]
-address = "127.0.0.1:0"
-tokens = "{tmp / 'tokens.json'}"
-[workload]
-spec = "digits-mlp"
-options = {{ hidden = 64 }}
-[strategy]
-name = "{strategy}"
-[optimizer]
-{optimizer}
-[training]
-steps = {steps}
-batch_size = 16
-eval_every = {steps}
-checkpoint_every = 0
-[federation]
-{federation}
-""")
-    return path
+def write_server_toml(
+    tmp: Path, steps: int, strategy: str = "dsgd", optimizer: dict | None = None, federation: dict | None = None,
+    workload: dict | None = None, training: dict | None = None,
+) -> Path:
+    """A run of ``steps`` in ``tmp`` (by default digits-mlp, hidden 64, batch 16); the dicts
+    replace or extend those sections."""
+    return write_toml(tmp / "server.toml", {
+        "run_dir": str(tmp / "run"), "threads": 1,
+        "listen": {"address": "127.0.0.1:0", "tokens": str(tmp / "tokens.json")},
+        "workload": workload or {"spec": "digits-mlp", "options": {"hidden": 64}},
+        "strategy": {"name": strategy},
+        "optimizer": optimizer or {},
+        "training": {"steps": steps, "batch_size": 16, "eval_every": steps, "checkpoint_every": 0, **(training or {})},
+        "federation": federation or {},
+    })
 
 
 def start_coordinator(tmp: Path, config: Path) -> tuple[subprocess.Popen, str]:
