@@ -393,13 +393,12 @@ def test_accountant_is_zero_before_any_step_and_grows():
 
 
 def test_sim_command_keeps_the_default_strategies_dp_can_run_and_reports_epsilon(tmp_path):
-    import json
     import subprocess
-    import sys
+
+    from network_helpers import dadfl_command
 
     result = subprocess.run(
-        [sys.executable, "-m", "dadfl.cli", "sim", "--workload", "breast-cancer-mlp", "--steps", "3", "--sites", "2",
-         "--dp-epsilon", "5", "--out", str(tmp_path)],
+        dadfl_command("sim", "--workload", "breast-cancer-mlp", "--steps", "3", "--sites", "2", "--dp-epsilon", "5", "--out", str(tmp_path)),
         capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -408,7 +407,7 @@ def test_sim_command_keeps_the_default_strategies_dp_can_run_and_reports_epsilon
     assert [s["strategy"] for s in summaries] == ["dsgd", "dad", "auto", "edad"]  # rankdad, powersgd left out
     assert all(0 < s["dp_epsilon"] <= 5 for s in summaries) and "ε" in result.stdout
     refused = subprocess.run(
-        [sys.executable, "-m", "dadfl.cli", "sim", "--strategies", "rankdad:rank=2", "--dp-epsilon", "5", "--out", str(tmp_path)],
+        dadfl_command("sim", "--strategies", "rankdad:rank=2", "--dp-epsilon", "5", "--out", str(tmp_path)),
         capture_output=True, text=True, timeout=120,
     )
     message = " ".join(refused.stdout.split())  # the console wraps lines
