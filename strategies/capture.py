@@ -498,13 +498,18 @@ def forward_losses(
     recorder = FactorCapture(model, layout if capture else Layout((), (), (), ()), args, per_sample)
     with recorder:
         outputs = model(*args)
+    return recorder, sample_losses(loss_fn, outputs, targets)
+
+
+def sample_losses(loss_fn: Callable, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """One loss per sample of the batch, or a ValueError saying how to fix the workload's loss."""
     losses = per_sample_losses(loss_fn(outputs, targets))
     if losses.shape[0] != targets.shape[0]:
         raise ValueError(
             f"loss returned {losses.shape[0]} values for a batch of {targets.shape[0]} samples; "
             "the workload loss must return one loss per sample (reduction='none')"
         )
-    return recorder, losses
+    return losses
 
 
 def local_result(model: nn.Module, layout: Layout, recorder: FactorCapture, num_samples: int, loss_sum: float) -> LocalResult:

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from .base import LocalResult, StateDict, check_state_keys, tensors_under, with_prefix
-from .capture import as_args, per_sample_losses
+from .capture import as_args, sample_losses
 from .dsgd import DSGD, DenseServer, DenseSite
 from .layout import Layout
 
@@ -69,12 +69,7 @@ class LocalStepsSite(DenseSite):
         samples, loss_sum = 0, 0.0
         for inputs, targets in batches:
             optimizer.zero_grad(set_to_none=True)
-            losses = per_sample_losses(loss_fn(model(*as_args(inputs)), targets))
-            if losses.shape[0] != targets.shape[0]:
-                raise ValueError(
-                    f"loss returned {losses.shape[0]} values for a batch of {targets.shape[0]} samples; "
-                    "the workload loss must return one loss per sample (reduction='none')"
-                )
+            losses = sample_losses(loss_fn, model(*as_args(inputs)), targets)
             losses.mean().backward()
             reached.update(name for name in self.layout.params if params[name].grad is not None)
             optimizer.step()
