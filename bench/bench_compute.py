@@ -33,9 +33,8 @@ from dadfl.replica import OptimizerConfig, Replica
 from dadfl.simulation import StrategySpec
 from dadfl.workloads import load_workload, partition, site_batches
 
-from .matrix import RANKDAD_EF, strategy_specs
+from .matrix import WIDE, strategy_specs
 
-SETTING = next(setting for setting in RANKDAD_EF if setting.key == "digits-mlp-wide")
 SITES = 4
 DEFAULT = [spec for spec in strategy_specs(feed_forward=True, ranks=(1, 2), exact=False, ablation=False)
            if spec.name in ("rankdad", "powersgd")]
@@ -46,12 +45,12 @@ def run(spec: StrategySpec, steps: int, warmup: int, seed: int = 0) -> dict:
     """Per-part milliseconds per step (medians after ``warmup``) and the final fingerprint."""
     from dadfl.strategies import make_strategy
 
-    workload = load_workload(SETTING.workload, **SETTING.options)
+    workload = load_workload(WIDE.workload, **WIDE.options)
     strategy = make_strategy(spec.name, **spec.options)
     train = workload.training_data()
     indices = partition(SITES, len(train), "iid", labels=workload.labels, seed=seed)
-    batches = [site_batches(train, index, SETTING.batch_size, seed=seed + s) for s, index in enumerate(indices)]
-    optimizer = OptimizerConfig(**SETTING.optimizer)
+    batches = [site_batches(train, index, WIDE.batch_size, seed=seed + s) for s, index in enumerate(indices)]
+    optimizer = OptimizerConfig(**WIDE.optimizer)
     coordinator = Replica(workload, strategy, optimizer)
     sites = [Replica(workload, strategy, optimizer) for _ in indices]
     for site in sites:

@@ -154,8 +154,11 @@ def run_scale(n_sites: int, steps: int, processes: int) -> dict:
                 for mark in (WARMUP, steps):
                     if done >= mark and mark not in cpu_marks:
                         cpu_marks[mark] = (done, cpu_seconds(coordinator.pid))
-                        if mark == steps:
-                            rss_last = rss_kib(coordinator.pid)["VmRSS"]
+                if done >= steps:  # read on every poll until it exits (linger_s = 0): the last one counts
+                    try:
+                        rss_last = rss_kib(coordinator.pid)["VmRSS"]
+                    except ProcessLookupError:
+                        pass
                 if time.monotonic() - started > RUN_TIMEOUT_S:
                     raise RuntimeError(f"{n_sites} sites: the run did not end in {RUN_TIMEOUT_S:.0f} s; see {folder / 'server.log'}")
                 time.sleep(0.1)

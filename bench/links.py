@@ -56,7 +56,7 @@ from dadfl.metrics import read_metrics
 from dadfl.server.processes import simulation_configs
 from dadfl.simulation import SimulationConfig, StrategySpec
 
-from .matrix import RANKDAD_EF, strategy_specs
+from .matrix import WIDE, strategy_specs
 
 SITES = 4
 STEPS = 6
@@ -73,8 +73,7 @@ BULK_SECONDS = 2.0  # bulk transfer that measures goodput: this long at the conf
 REPO = Path(__file__).resolve().parent.parent
 SUBNET = "10.213.0"
 COORDINATOR_IP = f"{SUBNET}.1"
-SETTING = next(setting for setting in RANKDAD_EF if setting.key == "digits-mlp-wide")
-WORKLOAD, OPTIONS = SETTING.workload, {**SETTING.options, "seed": 0}
+WORKLOAD, OPTIONS = WIDE.workload, {**WIDE.options, "seed": 0}
 STRATEGIES = strategy_specs(feed_forward=True, ranks=(1, 2), exact=True, ablation=False, local_steps=True)
 RUN_TIMEOUT_S = 300
 
@@ -261,7 +260,7 @@ def run_strategy(network: Network, spec: StrategySpec, steps: int, port: int, si
     """One federation: coordinator and sites in their namespaces; the coordinator's records."""
     config = SimulationConfig(
         workload=WORKLOAD, workload_options=OPTIONS, sites=len(network.sites), partition="iid",
-        batch_size=SETTING.batch_size, steps=steps, eval_every=steps, seed=0, device="cpu", optimizer=SETTING.optimizer,
+        batch_size=WIDE.batch_size, steps=steps, eval_every=steps, seed=0, device="cpu", optimizer=WIDE.optimizer,
         strategies=[spec],
     )
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
@@ -329,7 +328,7 @@ def measure(steps: int = STEPS, log=print) -> dict:
         log(f"real links skipped: {reason}")
         return {"skipped": reason}
     results = {
-        "setting": SETTING.key, "workload": WORKLOAD, "options": OPTIONS, "sites": SITES, "steps": steps, "rates": {}, "strategies": {}, "failed": {},
+        "setting": WIDE.key, "workload": WORKLOAD, "options": OPTIONS, "sites": SITES, "steps": steps, "rates": {}, "strategies": {}, "failed": {},
     }
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # still remove the namespaces when killed
     with Network(SITES) as network:

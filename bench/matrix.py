@@ -198,6 +198,9 @@ RANKDAD_EF: list[WorkloadSetting] = [
                     10, 32, ratio_target=True, ablation=False, note="3.5M parameters", seeds=(0, 1), **_EF_GRID),
 ]
 
+# The setting the real-links and compute benchmarks run on: ≥1M parameters, rank-dAD's ≥100× target.
+WIDE = next(setting for setting in RANKDAD_EF if setting.key == "digits-mlp-wide")
+
 SMOKE: list[WorkloadSetting] = [
     WorkloadSetting("digits-mlp", "digits-mlp", {"hidden": 64}, SGD, 30, 5, 16, feed_forward=True,
                     sites=(2,), partitions=("iid",), seeds=(0,)),

@@ -66,7 +66,7 @@ class LocalStepsSite(DenseSite):
         start_buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
         optimizer = self.inner_optimizer(model, run_optimizer)
         reached: set[str] = set()
-        samples, loss_sum = 0, 0.0
+        samples, loss_sums = 0, []
         for inputs, targets in batches:
             optimizer.zero_grad(set_to_none=True)
             losses = sample_losses(loss_fn, model(*as_args(inputs)), targets)
@@ -74,7 +74,7 @@ class LocalStepsSite(DenseSite):
             reached.update(name for name in self.layout.params if params[name].grad is not None)
             optimizer.step()
             samples += int(targets.shape[0])
-            loss_sum += float(losses.detach().sum())
+            loss_sums.append(losses.detach().sum())  # read once after the loop: no device sync per step
         optimizer.zero_grad(set_to_none=True)
         self.keep(optimizer)
         buffers = dict(model.named_buffers())
@@ -86,7 +86,7 @@ class LocalStepsSite(DenseSite):
                 params[name].copy_(value)
             for name, value in start_buffers.items():
                 buffers[name].copy_(value)
-        return LocalResult(num_samples=samples, loss_sum=loss_sum, grads=deltas, factors={}, buffers=local_buffers)
+        return LocalResult(num_samples=samples, loss_sum=float(torch.stack(loss_sums).sum()), grads=deltas, factors={}, buffers=local_buffers)
 
     def inner_optimizer(self, model: nn.Module, run_optimizer: OptimizerFactory) -> torch.optim.Optimizer:
         return run_optimizer(list(model.parameters()))
@@ -117,7 +117,9 @@ class DiLoCoSite(LocalStepsSite):
         return optimizer
 
     def keep(self, optimizer: torch.optim.Optimizer) -> None:
-        self.moments = {index: {k: v.detach().clone() for k, v in entry.items()} for index, entry in optimizer.state_dict()["state"].items()}
+        # The round's optimizer is dropped after it, so its tensors need no copy; they are
+        # cloned when loaded into the next one, so a round that fails leaves these intact.
+        self.moments = {index: dict(entry) for index, entry in optimizer.state_dict()["state"].items()}
 
     def state_dict(self) -> StateDict:
         return with_prefix("inner", {f"{index}/{key}": value for index, entry in self.moments.items() for key, value in entry.items()})
@@ -133,12 +135,17 @@ class DiLoCoSite(LocalStepsSite):
         for index, entry in moments.items():
             if index >= len(self.shapes) or set(entry) != set(MOMENTS):
                 raise ValueError(f"diloco site: the state of parameter {index} does not fit this model")
-            if entry["step"].numel() != 1:
-                raise ValueError(f"diloco site: step of parameter {index} must be one number")
+            step = entry["step"]
+            if step.numel() != 1 or not step.is_floating_point() or not 1 <= float(step) < float("inf"):
+                raise ValueError(f"diloco site: step of parameter {index} must be one finite number ≥ 1 (AdamW's bias correction divides by 1 − β^step)")
             for name in ("exp_avg", "exp_avg_sq"):
                 if tuple(entry[name].shape) != self.shapes[index] or not entry[name].is_floating_point():
                     raise ValueError(f"diloco site: {name} of parameter {index} has shape {tuple(entry[name].shape)}, "
                                      f"the parameter {self.shapes[index]}")
+                if not torch.isfinite(entry[name]).all():
+                    raise ValueError(f"diloco site: {name} of parameter {index} is not finite")
+            if (entry["exp_avg_sq"] < 0).any():
+                raise ValueError(f"diloco site: exp_avg_sq of parameter {index} is negative (a square's running mean)")
         self.moments = {index: {k: v.clone() for k, v in entry.items()} for index, entry in moments.items()}
 
 

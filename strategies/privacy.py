@@ -159,8 +159,7 @@ class ClipPlan:
                     if factor_sq is None:
                         reasons.append((layer.module, "its rows cannot be matched to samples (the batch is not their leading dimension)"))
                         continue
-                    names = [layer.weight] + ([layer.bias] if layer.bias else [])
-                    error = _relative_error(factor_sq, autograd_sq_norms(losses, [params[n] for n in names], recorder))
+                    error = _relative_error(factor_sq, autograd_sq_norms(losses, [params[n] for n in layer.params], recorder))
                     if error > VERIFY_RTOL:
                         reasons.append((layer.module, f"its factor norms differ from autograd's (relative error {error:.2g})"))
                     else:
