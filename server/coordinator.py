@@ -217,6 +217,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                 self.reset_reason = f"the checkpoint's strategy state does not load ({exc})"
         self.half_at_step_start = self.server_half.state_dict()  # restored after an aborted attempt
         self.went_ahead: set[SiteLink] = set()  # participants that began the next step by themselves
+        self._state_encoded: tuple[tuple[int, str], list[Encoded]] | None = None  # _state_messages
         self.going_on: set[SiteLink] = set()  # those of them whose uploads the next step takes
         self.view = OperatorView(  # made here: a missing TensorBoard stops the server before it listens
             config.training.steps, self.step, workload.metric_name, config.training.progress_every_s,
@@ -252,7 +253,9 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
 
     async def _join(self, context) -> None:
         if self.handshakes >= MAX_HANDSHAKES:
-            await self._end_stream(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{MAX_HANDSHAKES} sites are joining at once; retry shortly")
+            # Not counted, so no grace period spent reading what it sends: the status at once
+            # (the site retries whatever status it sees).
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{MAX_HANDSHAKES} sites are joining at once; retry shortly")
         self.handshakes += 1
         try:
             link = await self._handshake(context)
@@ -484,11 +487,16 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         link.send(*messages)
 
     def _state_messages(self) -> list[Encoded]:
-        chunks = encode_payload(
-            state_payload(self.replica, self.step), chunk_bytes=self.config.wire.chunk_bytes, kind=pb.STATE,
-            base_fingerprint=self.fingerprint,
-        )
-        return [Encoded.of(cpb.ServerMessage(chunk=c)) for c in chunks]
+        """The full state (weights, optimizer), encoded once per model version: sync requests
+        and newcomers of one step share it; the step's end drops it."""
+        version = (self.step, self.fingerprint)
+        if self._state_encoded is None or self._state_encoded[0] != version:
+            chunks = encode_payload(
+                state_payload(self.replica, self.step), chunk_bytes=self.config.wire.chunk_bytes, kind=pb.STATE,
+                base_fingerprint=self.fingerprint,
+            )
+            self._state_encoded = (version, [Encoded.of(cpb.ServerMessage(chunk=c)) for c in chunks])
+        return self._state_encoded[1]
 
     # ------------------------------------------------------------------ the step loop
 
@@ -602,9 +610,10 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             if link not in going_on:
                 link.stale_step = step if link in went_ahead else None
                 self._send(link, begin)
-        going_next = cpb.StepNext(checkpoint_step=step + 1 if self._checkpoints_after(step) else self.checkpoint_step)
-        if step + 1 == self.config.training.steps:
-            going_next = None  # the last step: sites report it done on its own
+        last = step + 1 == self.config.training.steps or (  # or [dp]'s last release: no site trains a step that never comes
+            self.privacy is not None and self.privacy.releases + 1 >= self.privacy.max_releases)
+        # The last step: sites report it done on its own.
+        going_next = None if last else cpb.StepNext(checkpoint_step=step + 1 if self._checkpoints_after(step) else self.checkpoint_step)
         active, messages, phase_seconds = participants, [], []
         samples, loss_sum, bytes_up, bytes_down = 0, 0.0, 0, 0
         update: dict = {}  # decoded from the messages so far, checked before each was sent
@@ -876,11 +885,13 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         if mismatched:
             log.warning("step %d: %s ended with different weights; they resync at the next step", step, ", ".join(mismatched))
         self.step += 1
+        self._state_encoded = None  # a new model version: the old state's encoding is not kept
         self.half_at_step_start = self.server_half.state_dict()
         for link in result.participants:
             if link.site_id in result.site_fingerprints:  # it saved its half's state before reporting done
                 link.state_steps = frozenset({self.step})
-        if self.step < steps:  # the message said `next`: every participant has begun the next step by itself
+        if self.step < steps and not (self.privacy and self.privacy.stop_reason()):  # the message said `next` (_run_step)
+            # every participant has begun the next step by itself
             self.went_ahead = set(result.participants)
             # Those whose weights differed began from the wrong ones: they get a step_begin (and the state).
             self.going_on = {link for link in result.participants if link.site_id not in mismatched}
