@@ -83,25 +83,33 @@ def flood_chunks(payload_mib: int) -> list[pb.PayloadChunk]:
     return encode_payload(payload, chunk_bytes=MIB, kind=pb.PHASE)
 
 
+def refused_stream(endpoint: str, site_id: str, token: str, chunks: list[pb.PayloadChunk], repeats: int) -> str:
+    """Hello, ready, then ``repeats`` × ``chunks`` before admission; the status it ends with."""
+    site = RawSite(endpoint, site_id, token)
+    config = site.next().config
+    site.send(ready=cpb.Ready(layout_fingerprint=config.layout_fingerprint))
+    for _ in range(repeats):
+        for chunk in chunks:
+            site.send(chunk=chunk)
+    return site.status()
+
+
 def preadmission_flood(flood_mib: int) -> dict:
+    """The flood's own cost: the baseline is read after a control site went through the same
+    refusal with one chunk, so what one refused stream costs once (gRPC's threads and buffers,
+    the first config) is not counted as the flood's."""
     with tempfile.TemporaryDirectory() as folder:
         tmp = Path(folder)
+        control_token = enroll(tmp / "tokens.json", "control")
         token = enroll(tmp / "tokens.json", "flooder")
         server, endpoint = start_server(tmp, steps=5, min_sites=1, initial_sites=2)
         try:
+            chunks = flood_chunks(8)
+            control_status = refused_stream(endpoint, "control", control_token, chunks[:1], 1)
             time.sleep(1.0)
             before = rss_kib(server.pid)
-            site = RawSite(endpoint, "flooder", token)
-            config = site.next().config
-            site.send(ready=cpb.Ready(layout_fingerprint=config.layout_fingerprint))
-            chunks = flood_chunks(8)
             started = time.monotonic()
-            sent = 0
-            for _ in range(flood_mib // 8):
-                for chunk in chunks:
-                    site.send(chunk=chunk)
-                sent += 8
-            status = site.status()
+            status = refused_stream(endpoint, "flooder", token, chunks, flood_mib // 8)
             flood_s = time.monotonic() - started
             time.sleep(2.0)
             after = rss_kib(server.pid)
@@ -110,7 +118,8 @@ def preadmission_flood(flood_mib: int) -> dict:
             server.wait()
     return {
         "scenario": "pre-admission flood",
-        "flood_mib": sent,
+        "flood_mib": flood_mib // 8 * 8,
+        "control_status": control_status,
         "status": status,
         "rss_before_mib": round(before["VmRSS"] / 1024, 1),
         "rss_peak_mib": round(after["VmHWM"] / 1024, 1),
