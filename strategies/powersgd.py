@@ -76,6 +76,7 @@ from .base import (
 )
 from .checks import Form, Spec, Unit, sq_norm
 from .layout import Layout
+from .power_iteration import thin_product
 
 SEED_RANGE = 1_000_000_000  # the hook draws torch seeds with RandomState.randint(1_000_000_000)
 
@@ -242,7 +243,7 @@ class PowerSGDSite:
             if self.options.use_error_feedback and matrix.name in self.errors:
                 M = M + self.errors[matrix.name]
             self.M[matrix.name] = M
-            tensors[matrix.p_key] = M @ qs[matrix.name]
+            tensors[matrix.p_key] = thin_product(M[None], qs[matrix.name][None])[0]
         return Payload(step, 0, local.num_samples, tensors)
 
     def _start_q(self, local: LocalResult) -> dict[str, torch.Tensor]:
@@ -261,7 +262,11 @@ class PowerSGDSite:
             return None
         if message.phase == 0:
             self.p_hat = {m.name: message.tensors[m.p_key] for m in self.plan.matrices}
-            tensors = {m.q_key: self.M[m.name].transpose(0, 1) @ self.p_hat[m.name] for m in self.plan.matrices}
+            # Mᵀ P̂ in thin_product's order: as written, the BLAS packs all of M for r columns.
+            tensors = {
+                m.q_key: thin_product(self.M[m.name].transpose(0, 1)[None], self.p_hat[m.name][None])[0]
+                for m in self.plan.matrices
+            }
             return Payload(self.step, 1, self.num_samples, tensors)
         for matrix in self.plan.matrices:
             q = message.tensors[matrix.q_key]
