@@ -114,11 +114,15 @@ class RunLimits(StrictModel):
 class PrivacyPolicy(StrictModel):
     """``[privacy]``: the least differential privacy this site trains with. The coordinator's
     run config states σ, δ and the ε it will not pass; a run below this floor is refused
-    before any workload code is imported (the site recomputes ε itself)."""
+    before any workload code is imported (the site recomputes ε itself), and ``max_epsilon``
+    holds over every run through the site's own ledger (``privacy_ledger.py``)."""
 
     require_dp: bool = Field(False, description="refuse runs without [dp] at the coordinator")
     min_noise_multiplier: float | None = Field(None, gt=0, le=1000, allow_inf_nan=False, description="refuse σ below this")
-    max_epsilon: float | None = Field(None, gt=0, le=1000, allow_inf_nan=False, description="refuse runs whose ε (RDP accountant) exceeds this")
+    max_epsilon: float | None = Field(
+        None, gt=0, le=1000, allow_inf_nan=False,
+        description="the ε this site's records may spend over every run (RDP, counted in its privacy ledger under state_dir); a run or an upload that would pass it is refused",
+    )
     max_delta: float | None = Field(None, gt=0, lt=1, allow_inf_nan=False, description="refuse δ above this")
 
     @model_validator(mode="after")

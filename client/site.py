@@ -50,6 +50,7 @@ from .config import FileData, SiteConfig
 from .data import data_source, held_out_source, load_site_batches, read_data_file
 from .data_checks import CheckedBatches, check_batches, check_dataset
 from .half_states import HalfStates
+from .privacy_ledger import BudgetSpent, PrivacyLedger, RunReleases
 from .run_checks import RunRefused, build_workload, check_run_config
 
 log = logging.getLogger("dadfl.site")
@@ -113,7 +114,7 @@ class Run:
     states: HalfStates
     half_step: int | None = 0  # the step whose start the half holds; None in the middle of a step
     held_out: Dataset | None = None  # evaluation data
-    private: bool = False  # [dp]: Poisson batches, clipped samples, the coordinator's noisy update
+    releases: RunReleases | None = None  # [dp]: Poisson batches, clipped samples, each upload in the ledger
     large: bool = False  # a model of INLINE_BYTES or more: its steps run in a worker thread
     checkpoint_step: int = 0  # the server's checkpoint step as the last step begin named it
 
@@ -230,7 +231,7 @@ class Session:
 
     def start_step(self) -> None:
         run, begin = self.site.run, self.step
-        if run.private:
+        if run.releases is not None:
             inputs, targets = run.batches.at(begin.step)
             if not 1 <= len(targets) <= poisson_cap(run.config.batch_size):
                 # A Poisson draw with no sample (chance about e^-batch_size) or far above the batch: nothing to
@@ -241,6 +242,10 @@ class Session:
                     self.pending_done = None
                 return
             local = run.replica.local(inputs, targets)
+            try:
+                run.releases.charge()  # on disk before the upload goes out
+            except BudgetSpent as exc:
+                raise RunRefused(str(exc)) from None
         else:
             local = run.replica.work(run.batches.at, begin.step)
         run.half_step = None  # from here until the update is applied the half holds part of a step
@@ -313,12 +318,18 @@ class Site:
         )
         batches, held_out = load_site_batches(self.config, workload, config.batch_size, replica.device, self.data_file)
         source = data_source(self.config, workload)
-        poisson = None
+        poisson, releases = None, None
         if privacy:
+            limit = self.config.privacy.max_epsilon
+            if limit is not None and self.config.state_dir is None:
+                raise RunRefused("privacy.max_epsilon bounds this site's records over every run: set state_dir, where the site keeps its privacy ledger")
             try:
-                poisson = PoissonBatches(batches.dataset, privacy.site_rate(config.batch_size, len(batches)), batches.seed)
-            except ValueError as exc:
+                rate = privacy.site_rate(config.batch_size, len(batches))
+                ledger = PrivacyLedger.of_site(self.config.state_dir, self.config.site_id)
+                releases = RunReleases.admit(ledger, config.run_id, privacy, rate, config.steps, limit)
+            except (ValueError, BudgetSpent) as exc:
                 raise RunRefused(str(exc)) from None
+            poisson = PoissonBatches(batches.dataset, rate, batches.seed)
         batches = check_batches(replica.model, workload.loss, batches, source, replica.device)
         if poisson is not None:  # checked on the fixed batch of step 0, drawn by Poisson sampling from here
             batches = CheckedBatches(poisson, batches.conversion, batches.source)
@@ -326,7 +337,7 @@ class Site:
             held_out = check_dataset(replica.model, workload.loss, held_out, held_out_source(self.config, source), replica.device)
         states = HalfStates(self.config.state_dir, self.config.site_id, config.run_id, replica.device)
         large = sum(p.numel() * p.element_size() for p in replica.model.parameters()) >= INLINE_BYTES
-        self.run = Run(config, replica, batches, codec_id(config.codec), states, held_out=held_out, private=privacy is not None, large=large)
+        self.run = Run(config, replica, batches, codec_id(config.codec), states, held_out=held_out, releases=releases, large=large)
         log.info("site %s: run %s, %s with %s, %d steps", self.config.site_id, config.run_id, config.workload, config.strategy, config.steps)
 
     async def join(self, insecure: bool = False) -> bool:

@@ -9,6 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from dadfl.client.config import PrivacyPolicy, SiteConfig
+from dadfl.client.privacy_ledger import LEDGER_FILE
 from dadfl.client.run_checks import RunRefused, check_run_config
 from dadfl.metrics import MetricsWriter, read_metrics
 from dadfl.privacy import SitePrivacy, epsilon
@@ -162,7 +163,8 @@ def test_a_killed_private_coordinator_counts_every_release_and_never_reuses_nois
         dp={"noise_multiplier": 1.0, "max_grad_norm": 0.5, "max_sample_rate": 0.1},
     )
     connect = {"max_attempts": 2000, "backoff_initial_s": 0.05, "backoff_max_s": 0.2}
-    sites = [site_config(tmp_path, f"site-{i}", f"127.0.0.1:{port}", i, 2, connect=connect) for i in range(2)]
+    sites = [site_config(tmp_path, f"site-{i}", f"127.0.0.1:{port}", i, 2, connect=connect, state_dir=str(tmp_path / "sites"))
+             for i in range(2)]
     server_toml = write_toml(tmp_path / "server.toml", server.model_dump(mode="json"))
     log_path = tmp_path / "server.log"
 
@@ -199,6 +201,10 @@ def test_a_killed_private_coordinator_counts_every_release_and_never_reuses_nois
         assert len(history) < steps and "stops after" in log_text
         assert all(history[step]["fingerprint"] != before[step] for step in replayed if step < len(history))  # fresh noise
     assert all(history[step]["fingerprint"] == before[step] for step in before if step < resumed_at)
+    # Each site's own ledger counted every upload, the replayed ones too: at least one per update it applied.
+    for config, count in zip(sites, applied):
+        [entry] = json.loads((tmp_path / "sites" / config.site_id / LEDGER_FILE).read_text())["entries"]
+        assert entry["steps"] >= count and entry["noise_multiplier"] == 1.0
 
 
 def test_the_coordinator_stops_before_a_step_would_pass_the_target_epsilon(tmp_path):

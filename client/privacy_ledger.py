@@ -1,0 +1,194 @@
+"""The site's own ledger of the differential privacy its records have spent, over every run.
+
+The coordinator counts the releases of one run (``server/privacy.py``) and a site checks a
+run's plan against its ``[privacy]`` floor before joining (``run_checks.py``). Neither
+bounds what the site's records spend in all: a coordinator that restarts replays steps,
+each a new release with fresh noise, and a coordinator may start one run after another on
+the same data. So the site counts for itself: before every upload it makes under [dp] it
+adds one step of (σ, q_s) to its ledger, on disk before the upload goes out, and with
+``privacy.max_epsilon`` it refuses the upload that would take its records' ε above it.
+
+- **What counts:** every upload, released or not (an aborted attempt and a replayed step
+  count again): an upper bound, as the site cannot see which uploads the coordinator
+  released. q_s is this site's own Poisson rate (each of its records is in a step's batch
+  with that probability), at most the run's ``max_sample_rate``.
+- **ε:** Rényi-DP composition of every entry (Opacus's RDP analysis, the orders of its
+  accountant): ε(δ) of Σ_entries steps · RDP_(σ, q)(α), at the run's δ.
+- **Admission:** a run is refused when what the other runs spent plus this run's planned
+  steps exceed ``max_epsilon``; its own steps count as they happen, so a resumed site
+  does not count a run twice before it restarts.
+- **File:** ``<state_dir>/<site id>/privacy_ledger.json``, written to a temporary name,
+  flushed to disk, then renamed (a kill leaves the old ledger or the new one). Deleting it
+  forgets what was spent: keep it with the site's audit records. An unreadable ledger
+  refuses every [dp] run rather than start again from zero.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import Field, ValidationError
+
+from dadfl.config import StrictModel
+from dadfl.privacy import SitePrivacy
+
+log = logging.getLogger("dadfl.site")
+
+LEDGER_FILE = "privacy_ledger.json"
+LEDGER_VERSION = 1
+MAX_ENTRIES = 100_000  # one per (run, σ, q): far beyond any site's history, bounds what a file can make us hold
+
+
+class BudgetSpent(RuntimeError):
+    """The next upload would take this site's ε above ``privacy.max_epsilon``."""
+
+
+class LedgerEntry(StrictModel):
+    run_id: str = Field(max_length=256)
+    noise_multiplier: float = Field(gt=0, allow_inf_nan=False)
+    sample_rate: float = Field(gt=0, le=1, allow_inf_nan=False)
+    steps: int = Field(ge=0)
+
+
+class LedgerFile(StrictModel):
+    version: int = Field(ge=LEDGER_VERSION, le=LEDGER_VERSION)
+    site_id: str
+    entries: list[LedgerEntry] = Field(max_length=MAX_ENTRIES)
+
+
+@functools.lru_cache(maxsize=256)
+def _rdp_per_step(noise_multiplier: float, sample_rate: float) -> tuple[float, ...]:
+    from opacus.accountants import RDPAccountant  # the [dp] extra
+    from opacus.accountants.analysis.rdp import compute_rdp
+
+    return tuple(compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier, steps=1, orders=RDPAccountant.DEFAULT_ALPHAS))
+
+
+def composed_epsilon(entries: list[tuple[float, float, int]], delta: float) -> float:
+    """ε at ``delta`` of the sampled Gaussian mechanisms (σ, q, steps) run one after another:
+    the same sum of RDP curves as Opacus's ``RDPAccountant`` over that history, with each
+    (σ, q)'s per-step curve computed once."""
+    from opacus.accountants import RDPAccountant
+    from opacus.accountants.analysis.rdp import get_privacy_spent
+
+    entries = [(sigma, q, steps) for sigma, q, steps in entries if steps > 0]
+    if not entries:
+        return 0.0
+    curves = [_rdp_per_step(sigma, q) for sigma, q, _ in entries]
+    rdp = [sum(steps * curve[i] for (_, _, steps), curve in zip(entries, curves)) for i in range(len(RDPAccountant.DEFAULT_ALPHAS))]
+    return float(get_privacy_spent(orders=RDPAccountant.DEFAULT_ALPHAS, rdp=rdp, delta=delta)[0])
+
+
+class PrivacyLedger:
+    """What this site's records have spent (module doc); ``path`` None keeps it in memory."""
+
+    def __init__(self, path: Path | None, site_id: str):
+        self.path = path
+        self.site_id = site_id
+        self.steps: dict[tuple[str, float, float], int] = {}  # (run id, σ, q) -> steps counted
+        if path is not None and path.exists():
+            try:
+                ledger = LedgerFile.model_validate_json(path.read_bytes())
+            except (OSError, ValidationError, ValueError) as exc:
+                first = exc.errors()[0] if isinstance(exc, ValidationError) else None
+                where = f"{'.'.join(map(str, first['loc']))}: {first['msg']}" if first else type(exc).__name__
+                raise BudgetSpent(
+                    f"the privacy ledger {path} cannot be read ({where}); restore it from a backup: starting a new "
+                    "one would forget what this site's records have spent"
+                ) from None
+            if ledger.site_id != site_id:
+                raise BudgetSpent(f"the privacy ledger {path} belongs to site {ledger.site_id!r}, not {site_id!r}")
+            for e in ledger.entries:
+                key = (e.run_id, e.noise_multiplier, e.sample_rate)
+                self.steps[key] = self.steps.get(key, 0) + e.steps
+
+    @classmethod
+    def of_site(cls, state_dir: Path | None, site_id: str) -> "PrivacyLedger":
+        return cls(None if state_dir is None else state_dir / site_id / LEDGER_FILE, site_id)
+
+    def _history(self, leave_out_run: str | None = None) -> list[tuple[float, float, int]]:
+        return [(sigma, q, steps) for (run_id, sigma, q), steps in self.steps.items() if run_id != leave_out_run]
+
+    def spent(self, delta: float, leave_out_run: str | None = None) -> float:
+        """ε at ``delta`` of every step counted (but those of ``leave_out_run``)."""
+        return composed_epsilon(self._history(leave_out_run), delta)
+
+    def admit(self, run_id: str, noise_multiplier: float, sample_rate: float, steps: int, delta: float, limit: float | None) -> None:
+        """Refuse a run whose planned steps, on top of what the other runs spent, exceed ``limit``."""
+        earlier = self.spent(delta, leave_out_run=run_id)
+        log.info("privacy ledger: this site's records have spent ε = %.4g (δ = %g) in earlier runs", earlier, delta)
+        if limit is None:
+            return
+        planned = composed_epsilon(self._history(run_id) + [(noise_multiplier, sample_rate, steps)], delta)
+        if not planned <= limit:
+            raise BudgetSpent(
+                f"this site's records have spent ε = {earlier:.4g} in earlier runs (privacy ledger, δ = {delta:g}); "
+                f"with this run's {steps} steps at σ = {noise_multiplier:.4g}, q = {sample_rate:.4g} they would "
+                f"reach ε = {planned:.4g}, above privacy.max_epsilon = {limit:g}"
+            )
+
+    def charge(self, run_id: str, noise_multiplier: float, sample_rate: float, delta: float, limit: float | None) -> float:
+        """Count one more step of (σ, q) for ``run_id``, on disk before it returns; refuse it
+        (counting nothing) if it would take ε above ``limit``. Returns ε with it."""
+        key = (run_id, noise_multiplier, sample_rate)
+        if key not in self.steps and len(self.steps) >= MAX_ENTRIES:
+            raise BudgetSpent(f"the privacy ledger holds {MAX_ENTRIES} entries already; archive it and start a new one deliberately")
+        before = self.steps.get(key, 0)
+        self.steps[key] = before + 1
+        total = self.spent(delta)
+        if limit is not None and not total <= limit:
+            if before:
+                self.steps[key] = before
+            else:
+                del self.steps[key]
+            raise BudgetSpent(
+                f"one more step would take this site's records to ε = {total:.4g} (δ = {delta:g}, every upload under "
+                f"[dp] counted, replays included), above privacy.max_epsilon = {limit:g}: the site sends no more"
+            )
+        self._write()
+        return total
+
+    def _write(self) -> None:
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        entries = [
+            LedgerEntry(run_id=run_id, noise_multiplier=sigma, sample_rate=q, steps=steps)
+            for (run_id, sigma, q), steps in self.steps.items()
+        ]
+        text = LedgerFile(version=LEDGER_VERSION, site_id=self.site_id, entries=entries).model_dump_json(indent=1)
+        temporary = self.path.with_name(self.path.name + ".tmp")
+        with open(temporary, "w", encoding="utf-8") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, self.path)
+        folder = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
+
+
+@dataclass(frozen=True)
+class RunReleases:
+    """One [dp] run's charge to the ledger: every upload of this site is one step of (σ, q_s)."""
+
+    ledger: PrivacyLedger
+    run_id: str
+    noise_multiplier: float
+    sample_rate: float
+    delta: float
+    limit: float | None  # privacy.max_epsilon
+
+    @classmethod
+    def admit(cls, ledger: PrivacyLedger, run_id: str, privacy: SitePrivacy, sample_rate: float, steps: int, limit: float | None) -> "RunReleases":
+        ledger.admit(run_id, privacy.noise_multiplier, sample_rate, steps, privacy.delta, limit)
+        return cls(ledger, run_id, privacy.noise_multiplier, sample_rate, privacy.delta, limit)
+
+    def charge(self) -> float:
+        return self.ledger.charge(self.run_id, self.noise_multiplier, self.sample_rate, self.delta, self.limit)

@@ -1,0 +1,114 @@
+"""The site's privacy ledger: its ε is the accountant's over every run, it survives on disk,
+and with privacy.max_epsilon a second run that would pass the budget is refused over gRPC."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dadfl.client.privacy_ledger import LEDGER_FILE, BudgetSpent, PrivacyLedger, composed_epsilon
+from dadfl.client.run_checks import RunRefused
+from dadfl.privacy import epsilon
+from network_helpers import ServerThread, SiteThread, server_config, site_config
+
+pytest.importorskip("opacus")
+
+
+def test_composed_epsilon_is_the_rdp_accountants_over_the_same_history():
+    from opacus.accountants import RDPAccountant
+
+    history = [(1.0, 0.05, 300), (1.7, 0.02, 1000), (0.8, 0.1, 7)]
+    accountant = RDPAccountant()
+    accountant.history = list(history)
+    assert composed_epsilon(history, 1e-5) == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-12)
+    assert composed_epsilon(history[:1], 1e-5) == pytest.approx(epsilon(1.0, 0.05, 300, 1e-5), rel=1e-12)
+    assert composed_epsilon([], 1e-5) == 0.0 == composed_epsilon([(1.0, 0.05, 0)], 1e-5)
+
+
+def test_the_ledger_counts_on_disk_and_refuses_the_step_past_the_budget(tmp_path):
+    ledger = PrivacyLedger.of_site(tmp_path, "site-a")
+    path = tmp_path / "site-a" / LEDGER_FILE
+    for _ in range(5):
+        spent = ledger.charge("run1", 1.0, 0.05, 1e-5, limit=None)
+    assert spent == pytest.approx(epsilon(1.0, 0.05, 5, 1e-5), rel=1e-12)
+    assert not list(path.parent.glob("*.tmp")), "written to a temporary name, then renamed"
+
+    reopened = PrivacyLedger.of_site(tmp_path, "site-a")
+    assert reopened.spent(1e-5) == spent
+    # A second run composes with the first; the budget lets exactly three of its steps through.
+    limit = composed_epsilon([(1.0, 0.05, 5), (1.2, 0.04, 3)], 1e-5) * (1 + 1e-9)
+    with pytest.raises(BudgetSpent, match="would reach ε = .* above privacy.max_epsilon"):
+        reopened.admit("run2", 1.2, 0.04, 4, 1e-5, limit)
+    reopened.admit("run2", 1.2, 0.04, 3, 1e-5, limit)
+    reopened.admit("run1", 1.0, 0.05, 5, 1e-5, limit)  # a run's own steps are not counted twice at admission
+    for _ in range(3):
+        reopened.charge("run2", 1.2, 0.04, 1e-5, limit)
+    before = path.read_bytes()
+    with pytest.raises(BudgetSpent, match="one more step would take this site's records to ε"):
+        reopened.charge("run2", 1.2, 0.04, 1e-5, limit)
+    assert path.read_bytes() == before, "a refused step is not counted"
+    entries = json.loads(before)["entries"]
+    assert [(e["run_id"], e["steps"]) for e in entries] == [("run1", 5), ("run2", 3)]
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"{not json", "cannot be read"),
+    (json.dumps({"version": 1, "site_id": "site-a", "entries": [{"run_id": "r", "noise_multiplier": 1.0, "sample_rate": 2.0, "steps": 1}]}).encode(),
+     "entries.0.sample_rate"),
+    (json.dumps({"version": 1, "site_id": "site-a", "entries": [{"run_id": "r", "noise_multiplier": 1.0, "sample_rate": 0.1, "steps": -1}]}).encode(),
+     "entries.0.steps"),
+    (json.dumps({"version": 1, "site_id": "site-b", "entries": []}).encode(), "belongs to site 'site-b'"),
+])
+def test_an_unreadable_or_foreign_ledger_refuses_rather_than_start_from_zero(tmp_path, content, message):
+    path = tmp_path / "site-a" / LEDGER_FILE
+    path.parent.mkdir()
+    path.write_bytes(content)
+    with pytest.raises(BudgetSpent, match=message):
+        PrivacyLedger.of_site(tmp_path, "site-a")
+
+
+def dp_run(tmp_path, name: str, quorum_timeout_s: float):
+    (tmp_path / name).mkdir()
+    return server_config(
+        tmp_path / name, strategy={"name": "dad"},
+        training={"steps": 6, "batch_size": 16, "eval_every": 6, "checkpoint_every": 0},
+        federation={"min_sites": 1, "phase_timeout_s": 20, "quorum_timeout_s": quorum_timeout_s, "linger_s": 1},
+        dp={"noise_multiplier": 1.0, "max_grad_norm": 0.5, "max_sample_rate": 0.025},
+    )
+
+
+def test_a_second_run_past_the_sites_budget_is_refused_over_grpc(tmp_path):
+    """Two coordinators, one after the other, on the same site data: the first run's six
+    uploads are in the site's ledger at the site's own rate, and the second run, which
+    alone meets the floor but with the first would take the records past
+    privacy.max_epsilon, is refused before the site trains."""
+    first = dp_run(tmp_path, "first", quorum_timeout_s=30)
+    server = ServerThread(first).start()
+    state_dir = tmp_path / "site-state"
+
+    def site(run, endpoint: str, **privacy):  # enrolled at that coordinator, same data and state_dir
+        return site_config(run.run_dir.parent, "site-a", endpoint, 0, 2, state_dir=str(state_dir), privacy={"require_dp": True, **privacy})
+
+    summary = SiteThread(site(first, server.endpoint)).start().join(120)
+    server.join(60)
+    assert summary.steps == 6 and "finished" in summary.finished
+    ledger = json.loads((state_dir / "site-a" / LEDGER_FILE).read_text())
+    [entry] = ledger["entries"]
+    assert entry["steps"] == 6 and entry["noise_multiplier"] == 1.0 and 0 < entry["sample_rate"] <= 0.1
+
+    own_rate = entry["sample_rate"]
+    limit = epsilon(1.0, own_rate, 12, 1e-5) * 0.999  # less than both runs at the site's rate
+    assert epsilon(1.0, 0.025, 6, 1e-5) <= limit, "the second run alone meets the floor"
+
+    second = dp_run(tmp_path, "second", quorum_timeout_s=3)
+    server = ServerThread(second).start()
+    no_ledger = site_config(second.run_dir.parent, "site-b", server.endpoint, 1, 2, privacy={"require_dp": True, "max_epsilon": limit})
+    with pytest.raises(RunRefused, match="privacy.max_epsilon bounds this site's records over every run: set state_dir"):
+        SiteThread(no_ledger).start().join(60)
+    refused = SiteThread(site(second, server.endpoint, max_epsilon=limit)).start()
+    with pytest.raises(RunRefused, match="spent ε = .* in earlier runs .* above privacy.max_epsilon"):
+        refused.join(60)
+    with pytest.raises(Exception, match="only 0 of the 1 sites needed"):
+        server.join(30)
+    assert json.loads((state_dir / "site-a" / LEDGER_FILE).read_text()) == ledger, "nothing counted for the refused run"
