@@ -9,6 +9,7 @@ torch thread: on a shared machine, ``--jobs`` is the number of cores the suite t
 
 from __future__ import annotations
 
+import argparse
 import json
 import multiprocessing
 import time
@@ -106,3 +107,16 @@ def run_cells(cells: list[Cell], out: Path, jobs: int, log: Callable[[str], None
         futures = {pool.submit(run_cell, cell, out): cell for cell in todo}
         for index, future in enumerate(as_completed(futures), start=1):
             finished(index, futures[future], future.result())
+
+
+def run_part(argv: list[str] | None, prog: str, doc: str, measure: Callable[[int], dict], filename: str, steps: int) -> dict:
+    """The command line of one part of the suite (``bench.links``, ``bench.peers``): ``--out``
+    and ``--steps``, then ``measure(steps)`` written to ``<out>/<filename>``; returns it."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("bench/results/full"), help="folder for the JSON result")
+    parser.add_argument("--steps", type=int, default=steps)
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = measure(args.steps)
+    (args.out / filename).write_text(json.dumps(results, indent=1))
+    return results

@@ -39,9 +39,7 @@ missing and writes ``{"skipped": reason}``.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -56,6 +54,7 @@ from dadfl.metrics import read_metrics
 from dadfl.server.processes import simulation_configs
 from dadfl.simulation import SimulationConfig, StrategySpec
 
+from .execute import run_part
 from .matrix import WIDE, strategy_specs
 
 SITES = 4
@@ -360,13 +359,7 @@ def measure(steps: int = STEPS, log=print) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.links", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("bench/results/full"), help="folder for the JSON result")
-    parser.add_argument("--steps", type=int, default=STEPS)
-    args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    results = measure(args.steps)
-    (args.out / "links.json").write_text(json.dumps(results, indent=1))
+    run_part(argv, "python -m bench.links", __doc__, measure, "links.json", STEPS)
     return 0
 
 

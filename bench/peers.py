@@ -18,7 +18,6 @@ both sites' batches), and the bytes per site:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -32,6 +31,7 @@ from dadfl.metrics import MetricsWriter, read_metrics
 from dadfl.server.processes import free_port
 from dadfl.simulation import SimulationConfig, StrategySpec, simulate
 
+from .execute import run_part
 from .matrix import SGD
 
 SITES = 2
@@ -104,13 +104,7 @@ def compare(steps: int = STEPS, ranks: tuple[int, ...] = RANKS) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.peers", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("bench/results/full"), help="folder for the JSON result")
-    parser.add_argument("--steps", type=int, default=STEPS)
-    args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    results = compare(args.steps)
-    (args.out / "peers.json").write_text(json.dumps(results, indent=1))
+    results = run_part(argv, "python -m bench.peers", __doc__, compare, "peers.json", STEPS)
     for rank, run in results["runs"].items():
         print(f"r={rank}: final loss ours {run['ours']['loss'][-1]:.4f}, DDP hook {run['ddp']['loss'][-1]:.4f}, "
               f"max gap {run['max_loss_gap']:.2e}")
