@@ -74,7 +74,7 @@ from dadfl.strategies import Payload, make_strategy, weights_fingerprint
 from dadfl.workloads import Split, StepBatches, Workload, load_workload, partition, site_batches
 
 from .config import load_config, validate_config
-from .metrics import MetricsWriter, is_eval_step
+from .metrics import MetricsWriter, is_eval_step, run_summary
 from .replica import Replica, resolve_device
 from .simulation import Progress, SimulationConfig, StrategySpec, run_directory
 
@@ -418,8 +418,7 @@ class FlowerCoordinator:
         """Train for ``config.steps`` steps; write one record per step; return a summary."""
         self.nodes = self.wait_for_nodes()
         log.info("dadfl over Flower: %s on nodes %s", self.spec.display, self.nodes)
-        summary: dict[str, Any] = {"strategy": self.spec.display, "steps": self.config.steps, "bytes_up": 0, "bytes_down": 0}
-        seconds = 0.0
+        records: list[dict[str, Any]] = []
         for step in range(self.config.steps):
             started = time.perf_counter()
             result, attempt = None, 0
@@ -430,7 +429,6 @@ class FlowerCoordinator:
                 attempt += 1
             self.fingerprint = self.replica.apply(result.messages)
             elapsed = time.perf_counter() - started
-            seconds += elapsed
             mismatched = [str(node) for node, fp in result.fingerprints.items() if fp != self.fingerprint]
             if mismatched:
                 log.warning("step %d: nodes %s ended with other weights; they resync next step", step, ", ".join(mismatched))
@@ -453,23 +451,10 @@ class FlowerCoordinator:
             if is_eval_step(step, self.config.eval_every, self.config.steps):
                 record.update({f"test_{k}": v for k, v in self.replica.evaluate().items()})
             self.metrics.write(record)
-            summary["bytes_up"] += record["bytes_up"]
-            summary["bytes_down"] += record["bytes_down"]
+            records.append(record)
             if self.progress:
                 self.progress(step)
-        final = self.replica.evaluate()
-        metric_name = self.replica.workload.metric_name
-        summary.update(
-            {
-                "metric_name": metric_name,
-                "metric": final[metric_name],
-                "test_loss": final["loss"],
-                "bytes_up_per_step": summary["bytes_up"] / self.config.steps,
-                "bytes_down_per_step": summary["bytes_down"] / self.config.steps,
-                "seconds_per_step": seconds / self.config.steps,
-            }
-        )
-        return summary
+        return run_summary(records, self.spec.display, self.replica.workload.metric_name)
 
     def run_step(self, step: int, resync: bool) -> StepResult | None:
         """All phases of one step, as ``exchange`` runs them; None when a node lost its state.

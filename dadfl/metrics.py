@@ -62,9 +62,10 @@ def last_value(records: Iterable[dict], key: str) -> float:
 
 
 def run_summary(records: list[dict], strategy: str, metric_name: str) -> dict:
-    """One strategy's ``summary.json`` entry from its step records (at least one): totals and
-    means per step over the steps run, and the last held-out evaluation, at the sites
-    (``eval_*``) and on the coordinator's test set (``metric``, ``test_loss``)."""
+    """One strategy's summary (its ``summary.json`` entry) from its step records, at least one,
+    in every runtime (simulation, processes, gRPC, Flower): totals and means per step over the
+    steps run, and the last held-out evaluation, at the sites (``eval_*``) and on the
+    coordinator's test set (``metric``, ``test_loss``)."""
     steps = len(records)
     last_eval = next((r for r in reversed(records) if f"eval_{metric_name}" in r or f"test_{metric_name}" in r), {})
     bytes_up, bytes_down = sum(r["bytes_up"] for r in records), sum(r["bytes_down"] for r in records)

@@ -22,7 +22,7 @@ from dadfl.workloads import load_workload, partition, site_batches
 from dadfl.workloads.batches import PoissonBatches, SplitDataset
 
 from .config import StrictModel
-from .metrics import MetricsWriter, is_eval_step
+from .metrics import MetricsWriter, is_eval_step, run_summary
 from .privacy import CoordinatorNoise, DPConfig, PrivacyBudget, check_dp_strategy, expected_batch, log_plan, private_step, site_sample_rate
 from .replica import OptimizerConfig, Replica, resolve_device
 
@@ -157,8 +157,7 @@ def _simulate(config: SimulationConfig, spec: StrategySpec, metrics: MetricsWrit
     server = strategy.server(coordinator.layout, coordinator.model)
     has_test = workload.test is not None and len(workload.test) > 0
 
-    summary: dict[str, Any] = {"strategy": spec.display, "steps": config.steps, "bytes_up": 0, "bytes_down": 0}
-    seconds, steps = 0.0, 0
+    records: list[dict[str, Any]] = []
     for step in range(config.steps):
         if step + 1 > last_step:
             log.info("%s: stopping after %d steps: one more would take ε above %g", spec.display, step, budget.stop_epsilon)
@@ -180,8 +179,6 @@ def _simulate(config: SimulationConfig, spec: StrategySpec, metrics: MetricsWrit
         elapsed = time.perf_counter() - start
         if len(fingerprints) != 1:
             raise ReplicaDivergence(f"{spec.display}: replicas differ after step {step}")
-        seconds += elapsed
-        steps += 1
         samples = sum(local.num_samples for local in locals_)
         record = {
             "strategy": spec.display,
@@ -195,31 +192,19 @@ def _simulate(config: SimulationConfig, spec: StrategySpec, metrics: MetricsWrit
             "fingerprint": fingerprints.pop(),
             **(strategy.describe(coordinator.layout, messages) if budget is None else {}),
         }
-        evaluates = is_eval_step(step, config.eval_every, config.steps)
+        evaluates = is_eval_step(step, config.eval_every, config.steps) or step + 1 == last_step  # the model released
         if budget is not None and (evaluates or step + 1 == config.steps):
             record["dp_epsilon"] = budget.epsilon(step + 1)
         if has_test and evaluates:
             record.update({f"test_{k}": v for k, v in coordinator.evaluate().items()})
         metrics.write(record)
-        summary["bytes_up"] += record["bytes_up"]
-        summary["bytes_down"] += record["bytes_down"]
+        records.append(record)
         if progress:
             progress(step)
-    summary["steps"] = steps
+    summary = run_summary(records, spec.display, workload.metric_name)
     if budget is not None:
-        summary.update(budget.summary(steps))
-        log.info("%s: (ε = %.3g, δ = %g)-differentially private after %d steps", spec.display, summary["dp_epsilon"], budget.delta, steps)
-    final = coordinator.evaluate() if has_test else {"loss": float("nan"), workload.metric_name: float("nan")}
-    summary.update(
-        {
-            "metric_name": workload.metric_name,
-            "metric": final[workload.metric_name],
-            "test_loss": final["loss"],
-            "bytes_up_per_step": summary["bytes_up"] / max(steps, 1),
-            "bytes_down_per_step": summary["bytes_down"] / max(steps, 1),
-            "seconds_per_step": seconds / max(steps, 1),
-        }
-    )
+        summary.update(budget.summary(len(records)))
+        log.info("%s: (ε = %.3g, δ = %g)-differentially private after %d steps", spec.display, summary["dp_epsilon"], budget.delta, len(records))
     return summary
 
 
