@@ -11,8 +11,8 @@ import torch
 from sklearn.datasets import load_breast_cancer
 from torch import nn
 
-from .base import Split, Workload
-from .common import accuracy, check_positive, per_sample_cross_entropy, seeded_builder, stratified_split
+from .base import Split
+from .common import check_positive, classification, stratified_split, two_hidden_mlp
 
 NUM_CLASSES = 2
 
@@ -32,21 +32,6 @@ def mlp(hidden: int = 32, seed: int = 0, test_fraction: float = 0.25) -> Workloa
     num_features = train.inputs.shape[1]
 
     def make() -> nn.Module:
-        return nn.Sequential(
-            nn.Linear(num_features, hidden),
-            nn.ReLU(),
-            nn.Linear(hidden, hidden),
-            nn.ReLU(),
-            nn.Linear(hidden, NUM_CLASSES),
-        )
+        return two_hidden_mlp(num_features, hidden, NUM_CLASSES)
 
-    return Workload(
-        name="breast-cancer-mlp",
-        build_model=seeded_builder(seed, make),
-        train=train,
-        test=test,
-        loss=per_sample_cross_entropy,
-        metric=accuracy,
-        labels=train.targets,
-        options={"hidden": hidden, "seed": seed, "test_fraction": test_fraction},
-    )
+    return classification("breast-cancer-mlp", make, seed, train, test, {"hidden": hidden, "seed": seed, "test_fraction": test_fraction})

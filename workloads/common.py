@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from sklearn.model_selection import train_test_split
 from torch import nn
 
+from .base import Split, Workload
+
 
 def seeded_builder(seed: int, make: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
     """Wrap ``make`` so every call returns a bit-identical model initialised from ``seed``.
@@ -59,3 +61,19 @@ def per_sample_cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> to
 def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> float:
     """Share of predictions (argmax over the last dimension) that equal the targets."""
     return (outputs.argmax(dim=-1) == targets).float().mean().item()
+
+
+def two_hidden_mlp(inputs: int, hidden: int, classes: int) -> nn.Sequential:
+    """Linear, ReLU, Linear, ReLU, Linear: a plain chain, the shape edAD needs."""
+    return nn.Sequential(
+        nn.Linear(inputs, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, classes),
+    )
+
+
+def classification(name: str, make: Callable[[], nn.Module], seed: int, train: Split, test: Split, options: dict) -> Workload:
+    """A classification workload: per-sample cross-entropy, accuracy, the training labels for
+    label-skewed partitions, and ``make`` built bit-identically from ``seed``."""
+    return Workload(
+        name=name, build_model=seeded_builder(seed, make), train=train, test=test, loss=per_sample_cross_entropy,
+        metric=accuracy, labels=train.targets, options=options,
+    )

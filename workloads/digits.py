@@ -13,7 +13,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 from .base import Split, Workload
-from .common import accuracy, check_positive, per_sample_cross_entropy, seeded_builder, stratified_split
+from .common import check_positive, classification, stratified_split, two_hidden_mlp
 
 NUM_CLASSES = 10
 IMAGE_SIDE = 8
@@ -41,24 +41,9 @@ def mlp(hidden: int = 256, seed: int = 0, test_fraction: float = 0.25) -> Worklo
     train, test = _splits(seed, test_fraction)
 
     def make() -> nn.Module:
-        return nn.Sequential(
-            nn.Linear(IMAGE_SIDE * IMAGE_SIDE, hidden),
-            nn.ReLU(),
-            nn.Linear(hidden, hidden),
-            nn.ReLU(),
-            nn.Linear(hidden, NUM_CLASSES),
-        )
+        return two_hidden_mlp(IMAGE_SIDE * IMAGE_SIDE, hidden, NUM_CLASSES)
 
-    return Workload(
-        name="digits-mlp",
-        build_model=seeded_builder(seed, make),
-        train=train,
-        test=test,
-        loss=per_sample_cross_entropy,
-        metric=accuracy,
-        labels=train.targets,
-        options={"hidden": hidden, "seed": seed, "test_fraction": test_fraction},
-    )
+    return classification("digits-mlp", make, seed, train, test, {"hidden": hidden, "seed": seed, "test_fraction": test_fraction})
 
 
 def cnn(seed: int = 0, test_fraction: float = 0.25, channels: int = 16) -> Workload:
@@ -80,13 +65,4 @@ def cnn(seed: int = 0, test_fraction: float = 0.25, channels: int = 16) -> Workl
             nn.Linear(channels * pooled_side * pooled_side, NUM_CLASSES),
         )
 
-    return Workload(
-        name="digits-cnn",
-        build_model=seeded_builder(seed, make),
-        train=train,
-        test=test,
-        loss=per_sample_cross_entropy,
-        metric=accuracy,
-        labels=train.targets,
-        options={"seed": seed, "test_fraction": test_fraction, "channels": channels},
-    )
+    return classification("digits-cnn", make, seed, train, test, {"seed": seed, "test_fraction": test_fraction, "channels": channels})
