@@ -20,6 +20,14 @@ For each site count N it runs, in the same session:
 
 Medians over the steps after a warm-up. Goal: overhead <= 1.5 echo rounds (measured in the
 same run) at 8 and at 32 site processes.
+
+**CPU per process.** Both are also run for half the steps (rounds), and the CPU time their
+child processes used (``getrusage``) in the two runs is differenced, which cancels start-up
+and imports: CPU per site process per step, and per echo client per round. With more
+processes than cores a step can take no less than sites × CPU per site / cores, which the
+output sets beside the goal's step time (compute + 1.5 echo rounds): the CPU each site may
+use per step for the goal to be reachable on this machine at all is
+(compute + 1.5 echo rounds) × cores / sites.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import asyncio
 import json
 import multiprocessing
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -140,6 +149,12 @@ async def _echo_server(n_clients: int, rounds: int) -> list[float]:
     return times[WARMUP:]
 
 
+def children_cpu() -> float:
+    """CPU seconds (user + system) of this process's children that have been waited for."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 # ----------------------------------------------------------------------------- dadfl
 
 
@@ -224,22 +239,42 @@ def main() -> None:
     torch.set_num_threads(1)
     cores = len(os.sched_getaffinity(0))
     results = []
+    half = args.steps // 2
     for n in args.sites:
-        echo = statistics.median(asyncio.run(_echo_server(n, args.steps)))
-        step = statistics.median(run_dadfl(n, args.steps))
+        echo_cpu, site_cpu = {}, {}
+        for count in (half, args.steps):  # the full run last: its timings are the ones reported
+            before = children_cpu()
+            echo_times = asyncio.run(_echo_server(n, count))
+            echo_cpu[count] = children_cpu() - before
+            before = children_cpu()
+            step_times = run_dadfl(n, count)
+            site_cpu[count] = children_cpu() - before
+        echo, step = statistics.median(echo_times), statistics.median(step_times)
+        echo_client = (echo_cpu[args.steps] - echo_cpu[half]) / (n * (args.steps - half))
+        site_process = (site_cpu[args.steps] - site_cpu[half]) / (n * (args.steps - half))
         site, server = compute_seconds(n)
         compute = site + server
         overhead = step - compute
         on_cores = step - server - site * max(1.0, n / cores)
+        goal_step = compute + GOAL_ECHO_ROUNDS * echo
         results.append({
             "sites": n, "cores": cores, "echo_round_ms": echo * 1e3, "step_ms": step * 1e3, "compute_ms": compute * 1e3,
             "site_compute_ms": site * 1e3, "overhead_ms": overhead * 1e3, "overhead_per_echo_round": overhead / echo,
             "overhead_on_cores_ms": on_cores * 1e3, "overhead_on_cores_per_echo_round": on_cores / echo,
+            "cpu_per_site_step_ms": site_process * 1e3, "cpu_per_echo_client_round_ms": echo_client * 1e3,
+            "cpu_floor_step_ms": n * site_process / max(1, min(n, cores)) * 1e3, "goal_step_ms": goal_step * 1e3,
+            "goal_cpu_per_site_step_ms": goal_step * min(n, cores) / n * 1e3,
         })
         print(
             f"{n:3d} sites: echo round {echo * 1e3:6.2f} ms | dadfl step {step * 1e3:6.2f} ms = compute {compute * 1e3:5.2f} ms "
             f"+ overhead {overhead * 1e3:6.2f} ms | overhead / echo round {overhead / echo:5.2f}x (goal <= {GOAL_ECHO_ROUNDS}x) | "
             f"site compute spread over {cores} cores: overhead {on_cores * 1e3:6.2f} ms = {on_cores / echo:5.2f}x",
+            flush=True,
+        )
+        print(
+            f"{n:3d} sites: CPU per site process and step {site_process * 1e3:5.3f} ms (an echo client per round: "
+            f"{echo_client * 1e3:5.3f} ms) | {n} sites on {cores} cores: a step takes at least {results[-1]['cpu_floor_step_ms']:6.2f} ms "
+            f"| the goal's step {goal_step * 1e3:5.2f} ms leaves each site {results[-1]['goal_cpu_per_site_step_ms']:5.3f} ms of CPU",
             flush=True,
         )
     print(json.dumps(results))
