@@ -155,3 +155,24 @@ def test_site_batches_reject_an_empty_site_or_a_bad_batch_size(numbered_split):
         site_batches(numbered_split, torch.tensor([], dtype=torch.int64), batch_size=4, seed=0)
     with pytest.raises(ValueError, match="batch_size must be at least 1"):
         site_batches(numbered_split, torch.arange(5), batch_size=0, seed=0)
+
+
+def test_in_memory_batches_equal_the_dataloaders_bit_for_bit():
+    """A SplitDataset is collated in place, not through a DataLoader: the same tensors (values,
+    dtype, shape, strides) for sequential steps, replays and Poisson draws."""
+    from dadfl.workloads import SplitDataset, StepBatches
+    from dadfl.workloads.batches import PoissonBatches
+
+    class ThroughTheLoader(SplitDataset):  # a subclass takes the DataLoader's path
+        pass
+
+    digits = load_digits()
+    split = Split(torch.as_tensor(digits.data, dtype=torch.float32).view(-1, 1, 8, 8), torch.as_tensor(digits.target))
+    index = torch.arange(3, 700, 2)
+    fast, loader = StepBatches(SplitDataset(split, index), 32, seed=5), StepBatches(ThroughTheLoader(split, index), 32, seed=5)
+    for step in [*range(15), 3, 400, 401, 0]:
+        for a, b in zip(fast.at(step), loader.at(step)):
+            assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
+    fast, loader = PoissonBatches(SplitDataset(split, index), 0.05, seed=5), PoissonBatches(ThroughTheLoader(split, index), 0.05, seed=5)
+    for step in range(10):
+        assert all(torch.equal(a, b) and a.shape == b.shape for a, b in zip(fast.at(step), loader.at(step)))

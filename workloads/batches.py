@@ -9,7 +9,7 @@ simulation, site processes, Flower).
 
 Batches come from a ``torch.utils.data.DataLoader`` over a map-style ``Dataset`` with a
 batch sampler that yields those positions, so worker processes and pinned memory work
-as usual. Bit-identical replays need ``dataset[i]`` to be deterministic (no random
+as usual; without either, the same positions are collated in place (``collate``). Bit-identical replays need ``dataset[i]`` to be deterministic (no random
 augmentation inside ``__getitem__``).
 """
 
@@ -77,6 +77,16 @@ class SplitDataset(Dataset):
         return self.split.inputs[sample], self.split.targets[sample]
 
 
+def collate(dataset: Dataset, positions: list[int]):
+    """``default_collate([dataset[i] for i in positions])``. For a :class:`SplitDataset` (the
+    data already in memory) one gather per tensor instead: the same values, without a Python
+    call per sample (a step of a small model spent more time drawing its batch than training)."""
+    if type(dataset) is SplitDataset:  # a subclass may change __getitem__
+        chosen = dataset.index[torch.as_tensor(positions, dtype=torch.int64)]
+        return dataset.split.inputs[chosen], dataset.split.targets[chosen]
+    return default_collate([dataset[i] for i in positions])
+
+
 class StepBatches:
     """A site's minibatch of any step, served by a DataLoader (see module doc).
 
@@ -105,15 +115,18 @@ class StepBatches:
         """The ``(inputs, targets)`` batch of ``step``."""
         if self._loader is None or step != self._next_step:
             sampler = StepBatchSampler(len(self.dataset), self.batch_size, self.seed, start=step)
-            # Workers start by spawn: a site forks after gRPC's threads exist, and a forked
-            # child of a process with gRPC threads can hang.
-            context = "spawn" if self.num_workers else None
-            self._loader = iter(
-                DataLoader(
-                    self.dataset, batch_sampler=sampler, num_workers=self.num_workers, pin_memory=self.pin_memory,
-                    multiprocessing_context=context,
+            if not self.num_workers and not self.pin_memory:  # nothing for a DataLoader to add
+                self._loader = (collate(self.dataset, positions) for positions in sampler)
+            else:
+                # Workers start by spawn: a site forks after gRPC's threads exist, and a forked
+                # child of a process with gRPC threads can hang.
+                context = "spawn" if self.num_workers else None
+                self._loader = iter(
+                    DataLoader(
+                        self.dataset, batch_sampler=sampler, num_workers=self.num_workers, pin_memory=self.pin_memory,
+                        multiprocessing_context=context,
+                    )
                 )
-            )
         self._next_step = step + 1
         return next(self._loader)
 
@@ -147,9 +160,9 @@ class PoissonBatches:
     def at(self, step: int):
         positions = poisson_positions(len(self.dataset), self.rate, self.seed, step).tolist()
         if not positions:
-            inputs, targets = default_collate([self.dataset[0]])
+            inputs, targets = collate(self.dataset, [0])
             return inputs[:0], targets[:0]
-        return default_collate([self.dataset[i] for i in positions])
+        return collate(self.dataset, positions)
 
 
 def site_batches(split: Split, index: torch.Tensor, batch_size: int, seed: int) -> StepBatches:
