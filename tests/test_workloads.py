@@ -201,3 +201,19 @@ def test_an_import_path_spec_loads_with_options():
     workload = load_workload("dadfl.workloads.digits:mlp", hidden=8)
     assert workload.build_model()[0].out_features == 8
     assert workload.options["hidden"] == 8
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN))
+def test_every_builtin_factory_has_resolvable_hints_so_options_are_type_checked(name):
+    """An annotation that does not resolve makes option checking fall back to names only."""
+    import importlib
+    import typing
+
+    from dadfl.options import factory_options
+
+    module, function = BUILTIN[name].split(":")
+    factory = getattr(importlib.import_module(module), function)
+    hints = typing.get_type_hints(factory)
+    assert hints["seed"] is int
+    with pytest.raises(ValueError, match="seed"):
+        factory_options(factory, {"seed": "abc"}, name)

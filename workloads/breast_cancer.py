@@ -11,7 +11,7 @@ import torch
 from sklearn.datasets import load_breast_cancer
 from torch import nn
 
-from .base import Split
+from .base import Split, Workload
 from .common import check_positive, classification, stratified_split, two_hidden_mlp
 
 NUM_CLASSES = 2
