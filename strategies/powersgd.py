@@ -243,8 +243,16 @@ class PowerSGDSite:
             if self.options.use_error_feedback and matrix.name in self.errors:
                 M = M + self.errors[matrix.name]
             self.M[matrix.name] = M
-            tensors[matrix.p_key] = thin_product(M[None], qs[matrix.name][None])[0]
+            tensors[matrix.p_key] = self._product(M, qs[matrix.name])
         return Payload(step, 0, local.num_samples, tensors)
+
+    @staticmethod
+    def _product(M: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
+        """M X in thin_product's operand order (as written, the BLAS packs all of M for r
+        columns), returned row-major as the wire delivers it: thin_product may return a
+        transposed view, and the server's sums over a view round differently from the same
+        sums over a decoded tensor, so in-process and networked replicas would part."""
+        return thin_product(M[None], X[None])[0].contiguous()
 
     def _start_q(self, local: LocalResult) -> dict[str, torch.Tensor]:
         eps = self.options.orthogonalization_epsilon
@@ -262,11 +270,7 @@ class PowerSGDSite:
             return None
         if message.phase == 0:
             self.p_hat = {m.name: message.tensors[m.p_key] for m in self.plan.matrices}
-            # Mᵀ P̂ in thin_product's order: as written, the BLAS packs all of M for r columns.
-            tensors = {
-                m.q_key: thin_product(self.M[m.name].transpose(0, 1)[None], self.p_hat[m.name][None])[0]
-                for m in self.plan.matrices
-            }
+            tensors = {m.q_key: self._product(self.M[m.name].transpose(0, 1), self.p_hat[m.name]) for m in self.plan.matrices}
             return Payload(self.step, 1, self.num_samples, tensors)
         for matrix in self.plan.matrices:
             q = message.tensors[matrix.q_key]
