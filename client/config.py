@@ -130,6 +130,8 @@ class PrivacyPolicy(StrictModel):
         floors = [name for name in ("min_noise_multiplier", "max_epsilon", "max_delta") if getattr(self, name) is not None]
         if floors and not self.require_dp:
             raise ValueError(f"{', '.join(floors)} would not stop a run without differential privacy: set require_dp = true")
+        if self.max_epsilon is not None and self.max_delta is None:
+            raise ValueError("max_epsilon is a budget at a δ: set max_delta too (the site's ledger counts ε at it, whatever δ a run states)")
         return self
 
 

@@ -13,20 +13,25 @@ adds one step of (σ, q_s) to its ledger, on disk before the upload goes out, an
   released. q_s is this site's own Poisson rate (each of its records is in a step's batch
   with that probability), at most the run's ``max_sample_rate``.
 - **ε:** Rényi-DP composition of every entry (Opacus's RDP analysis, the orders of its
-  accountant): ε(δ) of Σ_entries steps · RDP_(σ, q)(α), at the run's δ.
+  accountant): ε(δ) of Σ_entries steps · RDP_(σ, q)(α), at the δ of the site's budget
+  (``privacy.max_delta``), whatever δ a run states. Each upload is a fresh Poisson sample
+  (``dadfl/privacy.py``), so each is one independent step of the mechanism.
 - **Admission:** a run is refused when what the other runs spent plus this run's planned
   steps exceed ``max_epsilon``; its own steps count as they happen, so a resumed site
   does not count a run twice before it restarts.
 - **File:** ``<state_dir>/<site id>/privacy_ledger.json``, written to a temporary name,
-  flushed to disk, then renamed (a kill leaves the old ledger or the new one). Deleting it
-  forgets what was spent: keep it with the site's audit records. An unreadable ledger
-  refuses every [dp] run rather than start again from zero.
+  flushed to disk, then renamed (a kill leaves the old ledger or the new one), and held
+  with an exclusive lock by one site process at a time. Deleting it forgets what was
+  spent: keep it with the site's audit records. An unreadable ledger, or one that cannot
+  be written, refuses every [dp] upload rather than start again from zero.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,28 +77,43 @@ def composed_epsilon(entries: list[tuple[float, float, int]], delta: float) -> f
     """ε at ``delta`` of the sampled Gaussian mechanisms (σ, q, steps) run one after another:
     the same sum of RDP curves as Opacus's ``RDPAccountant`` over that history, with each
     (σ, q)'s per-step curve computed once."""
-    from opacus.accountants import RDPAccountant
-    from opacus.accountants.analysis.rdp import get_privacy_spent
-
     entries = [(sigma, q, steps) for sigma, q, steps in entries if steps > 0]
     if not entries:
         return 0.0
+    from opacus.accountants import RDPAccountant  # the [dp] extra
+    from opacus.accountants.analysis.rdp import get_privacy_spent
+
     curves = [_rdp_per_step(sigma, q) for sigma, q, _ in entries]
     rdp = [sum(steps * curve[i] for (_, _, steps), curve in zip(entries, curves)) for i in range(len(RDPAccountant.DEFAULT_ALPHAS))]
     return float(get_privacy_spent(orders=RDPAccountant.DEFAULT_ALPHAS, rdp=rdp, delta=delta)[0])
 
 
 class PrivacyLedger:
-    """What this site's records have spent (module doc); ``path`` None keeps it in memory."""
+    """What this site's records have spent (module doc); ``path`` None keeps it in memory.
+    ``budget`` is (max_epsilon, δ) from the site's ``[privacy]``; None counts without a limit.
+    A ledger on disk is held with an exclusive lock until :meth:`close`."""
 
-    def __init__(self, path: Path | None, site_id: str):
-        self.path = path
-        self.site_id = site_id
+    def __init__(self, path: Path | None, site_id: str, budget: tuple[float, float] | None = None):
+        self.path, self.site_id, self.budget = path, site_id, budget
         self.steps: dict[tuple[str, float, float], int] = {}  # (run id, σ, q) -> steps counted
-        if path is not None and path.exists():
+        self._lock: int | None = None
+        if path is None:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self.close()
+            raise BudgetSpent(
+                f"another process holds the privacy ledger {path}: two site processes with the same site id and "
+                "state_dir would each count only their own uploads; run one"
+            ) from None
+        if path.exists():
             try:
                 ledger = LedgerFile.model_validate_json(path.read_bytes())
             except (OSError, ValidationError, ValueError) as exc:
+                self.close()
                 first = exc.errors()[0] if isinstance(exc, ValidationError) else None
                 where = f"{'.'.join(map(str, first['loc']))}: {first['msg']}" if first else type(exc).__name__
                 raise BudgetSpent(
@@ -101,29 +121,39 @@ class PrivacyLedger:
                     "one would forget what this site's records have spent"
                 ) from None
             if ledger.site_id != site_id:
+                self.close()
                 raise BudgetSpent(f"the privacy ledger {path} belongs to site {ledger.site_id!r}, not {site_id!r}")
             for e in ledger.entries:
                 key = (e.run_id, e.noise_multiplier, e.sample_rate)
                 self.steps[key] = self.steps.get(key, 0) + e.steps
 
     @classmethod
-    def of_site(cls, state_dir: Path | None, site_id: str) -> "PrivacyLedger":
-        return cls(None if state_dir is None else state_dir / site_id / LEDGER_FILE, site_id)
+    def of_site(cls, state_dir: Path | None, site_id: str, budget: tuple[float, float] | None = None) -> "PrivacyLedger":
+        return cls(None if state_dir is None else state_dir / site_id / LEDGER_FILE, site_id, budget)
 
-    def _history(self, leave_out_run: str | None = None) -> list[tuple[float, float, int]]:
-        return [(sigma, q, steps) for (run_id, sigma, q), steps in self.steps.items() if run_id != leave_out_run]
+    def close(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)  # releases the lock
+            self._lock = None
 
-    def spent(self, delta: float, leave_out_run: str | None = None) -> float:
-        """ε at ``delta`` of every step counted (but those of ``leave_out_run``)."""
-        return composed_epsilon(self._history(leave_out_run), delta)
+    def epsilon(self, history: list[tuple[float, float, int]]) -> float:
+        """ε of ``history`` at the budget's δ; ∞ where the accountant cannot bound it (σ ≈ 0)."""
+        try:
+            return max(0.0, composed_epsilon(history, self.budget[1]))
+        except ArithmeticError:
+            return math.inf
 
-    def admit(self, run_id: str, noise_multiplier: float, sample_rate: float, steps: int, delta: float, limit: float | None) -> None:
-        """Refuse a run whose planned steps, on top of what the other runs spent, exceed ``limit``."""
-        earlier = self.spent(delta, leave_out_run=run_id)
-        log.info("privacy ledger: this site's records have spent ε = %.4g (δ = %g) in earlier runs", earlier, delta)
-        if limit is None:
+    def _history(self, steps: dict, leave_out_run: str | None = None) -> list[tuple[float, float, int]]:
+        return [(sigma, q, count) for (run_id, sigma, q), count in steps.items() if run_id != leave_out_run]
+
+    def admit(self, run_id: str, noise_multiplier: float, sample_rate: float, steps: int) -> None:
+        """Refuse a run whose planned steps, on top of what the other runs spent, pass the budget."""
+        if self.budget is None:
             return
-        planned = composed_epsilon(self._history(run_id) + [(noise_multiplier, sample_rate, steps)], delta)
+        limit, delta = self.budget
+        earlier = self.epsilon(self._history(self.steps, leave_out_run=run_id))
+        planned = self.epsilon(self._history(self.steps, leave_out_run=run_id) + [(noise_multiplier, sample_rate, steps)])
+        log.info("privacy ledger: this site's records have spent ε = %.4g (δ = %g) in earlier runs", earlier, delta)
         if not planned <= limit:
             raise BudgetSpent(
                 f"this site's records have spent ε = {earlier:.4g} in earlier runs (privacy ledger, δ = {delta:g}); "
@@ -131,34 +161,33 @@ class PrivacyLedger:
                 f"reach ε = {planned:.4g}, above privacy.max_epsilon = {limit:g}"
             )
 
-    def charge(self, run_id: str, noise_multiplier: float, sample_rate: float, delta: float, limit: float | None) -> float:
-        """Count one more step of (σ, q) for ``run_id``, on disk before it returns; refuse it
-        (counting nothing) if it would take ε above ``limit``. Returns ε with it."""
+    def charge(self, run_id: str, noise_multiplier: float, sample_rate: float) -> None:
+        """Count one more step of (σ, q) for ``run_id``, on disk before it returns; refuse it,
+        counting nothing, if it would pass the budget or cannot be written."""
         key = (run_id, noise_multiplier, sample_rate)
         if key not in self.steps and len(self.steps) >= MAX_ENTRIES:
             raise BudgetSpent(f"the privacy ledger holds {MAX_ENTRIES} entries already; archive it and start a new one deliberately")
-        before = self.steps.get(key, 0)
-        self.steps[key] = before + 1
-        total = self.spent(delta)
-        if limit is not None and not total <= limit:
-            if before:
-                self.steps[key] = before
-            else:
-                del self.steps[key]
-            raise BudgetSpent(
-                f"one more step would take this site's records to ε = {total:.4g} (δ = {delta:g}, every upload under "
-                f"[dp] counted, replays included), above privacy.max_epsilon = {limit:g}: the site sends no more"
-            )
-        self._write()
-        return total
+        counted = {**self.steps, key: self.steps.get(key, 0) + 1}
+        if self.budget is not None:
+            limit, delta = self.budget
+            total = self.epsilon(self._history(counted))
+            if not total <= limit:
+                raise BudgetSpent(
+                    f"one more step would take this site's records to ε = {total:.4g} (δ = {delta:g}, every upload "
+                    f"under [dp] counted, replays included), above privacy.max_epsilon = {limit:g}: the site sends no more"
+                )
+        try:
+            self._write(counted)
+        except OSError as exc:
+            raise BudgetSpent(f"the privacy ledger {self.path} cannot be written ({exc.strerror}): the site sends nothing it cannot count") from None
+        self.steps = counted
 
-    def _write(self) -> None:
+    def _write(self, steps: dict) -> None:
         if self.path is None:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         entries = [
-            LedgerEntry(run_id=run_id, noise_multiplier=sigma, sample_rate=q, steps=steps)
-            for (run_id, sigma, q), steps in self.steps.items()
+            LedgerEntry(run_id=run_id, noise_multiplier=sigma, sample_rate=q, steps=count)
+            for (run_id, sigma, q), count in steps.items()
         ]
         text = LedgerFile(version=LEDGER_VERSION, site_id=self.site_id, entries=entries).model_dump_json(indent=1)
         temporary = self.path.with_name(self.path.name + ".tmp")
@@ -182,13 +211,11 @@ class RunReleases:
     run_id: str
     noise_multiplier: float
     sample_rate: float
-    delta: float
-    limit: float | None  # privacy.max_epsilon
 
     @classmethod
-    def admit(cls, ledger: PrivacyLedger, run_id: str, privacy: SitePrivacy, sample_rate: float, steps: int, limit: float | None) -> "RunReleases":
-        ledger.admit(run_id, privacy.noise_multiplier, sample_rate, steps, privacy.delta, limit)
-        return cls(ledger, run_id, privacy.noise_multiplier, sample_rate, privacy.delta, limit)
+    def admit(cls, ledger: PrivacyLedger, run_id: str, privacy: SitePrivacy, sample_rate: float, steps: int) -> "RunReleases":
+        ledger.admit(run_id, privacy.noise_multiplier, sample_rate, steps)
+        return cls(ledger, run_id, privacy.noise_multiplier, sample_rate)
 
-    def charge(self) -> float:
-        return self.ledger.charge(self.run_id, self.noise_multiplier, self.sample_rate, self.delta, self.limit)
+    def charge(self) -> None:
+        self.ledger.charge(self.run_id, self.noise_multiplier, self.sample_rate)

@@ -242,10 +242,6 @@ class Session:
                     self.pending_done = None
                 return
             local = run.replica.local(inputs, targets)
-            try:
-                run.releases.charge()  # on disk before the upload goes out
-            except BudgetSpent as exc:
-                raise RunRefused(str(exc)) from None
         else:
             local = run.replica.work(run.batches.at, begin.step)
         run.half_step = None  # from here until the update is applied the half holds part of a step
@@ -254,6 +250,11 @@ class Session:
 
     def upload(self, payload: Payload, loss_sum: float = 0.0) -> None:
         run = self.site.run
+        if run.releases is not None:
+            try:
+                run.releases.charge()  # on disk before the upload goes out
+            except BudgetSpent as exc:
+                raise RunRefused(str(exc)) from None
         chunks = encode_payload(
             payload, run.codec, run.config.chunk_bytes, kind=pb.PHASE,
             attempt=self.step.attempt, loss_sum=loss_sum, base_fingerprint=self.step.fingerprint,
@@ -304,10 +305,13 @@ class Site:
     run: Run | None = None
     summary: SiteSummary = field(default_factory=SiteSummary)
     data_file: Split | None = None  # data.path as read before connecting: every run trains on it
+    ledger: PrivacyLedger | None = None  # what [dp] runs have spent of this site's records
 
     def prepare(self, config: cpb.RunConfig) -> None:
         """Build the replica and data stream for the server's run (once per run id)."""
         if self.run is not None and self.run.config.run_id == config.run_id:
+            if config != self.run.config:  # what the site checked and built must still hold
+                raise RunRefused(f"the coordinator sent run {config.run_id}'s config again with other values; a run's config does not change")
             return
         checked = check_run_config(config, self.config, MAX_CHUNK_BYTES)  # before any workload code is imported
         workload = build_workload(checked, self.config.limits, self.config.workload_path)
@@ -320,16 +324,12 @@ class Site:
         source = data_source(self.config, workload)
         poisson, releases = None, None
         if privacy:
-            limit = self.config.privacy.max_epsilon
-            if limit is not None and self.config.state_dir is None:
-                raise RunRefused("privacy.max_epsilon bounds this site's records over every run: set state_dir, where the site keeps its privacy ledger")
             try:
                 rate = privacy.site_rate(config.batch_size, len(batches))
-                ledger = PrivacyLedger.of_site(self.config.state_dir, self.config.site_id)
-                releases = RunReleases.admit(ledger, config.run_id, privacy, rate, config.steps, limit)
+                releases = RunReleases.admit(self.privacy_ledger(), config.run_id, privacy, rate, config.steps)
             except (ValueError, BudgetSpent) as exc:
                 raise RunRefused(str(exc)) from None
-            poisson = PoissonBatches(batches.dataset, rate, batches.seed)
+            poisson = PoissonBatches(batches.dataset, rate, seed=None)  # every upload a fresh sample (dadfl/privacy.py)
         batches = check_batches(replica.model, workload.loss, batches, source, replica.device)
         if poisson is not None:  # checked on the fixed batch of step 0, drawn by Poisson sampling from here
             batches = CheckedBatches(poisson, batches.conversion, batches.source)
@@ -339,6 +339,20 @@ class Site:
         large = sum(p.numel() * p.element_size() for p in replica.model.parameters()) >= INLINE_BYTES
         self.run = Run(config, replica, batches, codec_id(config.codec), states, held_out=held_out, releases=releases, large=large)
         log.info("site %s: run %s, %s with %s, %d steps", self.config.site_id, config.run_id, config.workload, config.strategy, config.steps)
+
+    def privacy_ledger(self) -> PrivacyLedger:
+        """The site's ledger (``privacy_ledger.py``), opened at its first [dp] run and held until :meth:`close`."""
+        if self.ledger is None:
+            policy = self.config.privacy
+            if policy.max_epsilon is not None and self.config.state_dir is None:
+                raise BudgetSpent("privacy.max_epsilon bounds this site's records over every run: set state_dir, where the site keeps its privacy ledger")
+            budget = None if policy.max_epsilon is None else (policy.max_epsilon, policy.max_delta)
+            self.ledger = PrivacyLedger.of_site(self.config.state_dir, self.config.site_id, budget)
+        return self.ledger
+
+    def close(self) -> None:
+        if self.ledger is not None:
+            self.ledger.close()
 
     async def join(self, insecure: bool = False) -> bool:
         """Open a channel (``open_channel``) and take part over one stream; True when the run finished."""
@@ -413,7 +427,15 @@ async def run_site_async(config: SiteConfig, insecure: bool = False) -> SiteSumm
     if isinstance(config.data, FileData):  # a missing or unreadable file fails before connecting, too
         data_file = read_data_file(config.data.path, config.data.target_column)
     site = Site(config, data_file=data_file)
-    connect = config.connect
+    try:
+        return await _take_part(site, insecure)
+    finally:
+        site.close()
+
+
+async def _take_part(site: Site, insecure: bool) -> SiteSummary:
+    """Join, and rejoin with backoff, until the run finishes (``run_site_async``)."""
+    config, connect = site.config, site.config.connect
     failures, delay = 0, connect.backoff_initial_s
     while True:
         steps_before = site.summary.steps

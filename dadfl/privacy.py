@@ -5,8 +5,13 @@ noise and the accountant. The sites' half (per-sample clipping read off the fact
 One step, in order:
 
 1. every site draws its batch by **Poisson sampling** (each of its n_s records with
-   probability q_s = min(1, batch_size / n_s), seeded by (seed, step): replays and
-   replicas draw the same batch) and clips every sample's gradient to C;
+   probability q_s = min(1, batch_size / n_s)) and clips every sample's gradient to C. A
+   site process draws each upload's batch from the operating system's randomness, so a
+   step replayed after a coordinator restart, or a retried attempt, is a new sample:
+   every release is then one independent step of the sampled Gaussian mechanism, as the
+   accountant counts it. (Releasing the same sample twice with fresh noise would cost as
+   much as one step at σ/√2, far more than two steps at σ.) The in-process simulation,
+   which never replays, seeds the draw by (seed, step);
 2. the strategy carries the clipped sum to the coordinator exactly (its own factors,
    checks and bounds unchanged) and the coordinator decodes it: S = Σ_i c_i g_i;
 3. the coordinator adds N(0, σ²C²) to every parameter's sum from its **own generator**

@@ -30,26 +30,42 @@ def test_the_ledger_counts_on_disk_and_refuses_the_step_past_the_budget(tmp_path
     ledger = PrivacyLedger.of_site(tmp_path, "site-a")
     path = tmp_path / "site-a" / LEDGER_FILE
     for _ in range(5):
-        spent = ledger.charge("run1", 1.0, 0.05, 1e-5, limit=None)
-    assert spent == pytest.approx(epsilon(1.0, 0.05, 5, 1e-5), rel=1e-12)
+        ledger.charge("run1", 1.0, 0.05)
     assert not list(path.parent.glob("*.tmp")), "written to a temporary name, then renamed"
+    with pytest.raises(BudgetSpent, match="another process holds the privacy ledger"):
+        PrivacyLedger.of_site(tmp_path, "site-a")
+    ledger.close()
 
-    reopened = PrivacyLedger.of_site(tmp_path, "site-a")
-    assert reopened.spent(1e-5) == spent
     # A second run composes with the first; the budget lets exactly three of its steps through.
     limit = composed_epsilon([(1.0, 0.05, 5), (1.2, 0.04, 3)], 1e-5) * (1 + 1e-9)
+    reopened = PrivacyLedger.of_site(tmp_path, "site-a", budget=(limit, 1e-5))
+    assert reopened.epsilon(reopened._history(reopened.steps)) == pytest.approx(epsilon(1.0, 0.05, 5, 1e-5), rel=1e-12)
     with pytest.raises(BudgetSpent, match="would reach ε = .* above privacy.max_epsilon"):
-        reopened.admit("run2", 1.2, 0.04, 4, 1e-5, limit)
-    reopened.admit("run2", 1.2, 0.04, 3, 1e-5, limit)
-    reopened.admit("run1", 1.0, 0.05, 5, 1e-5, limit)  # a run's own steps are not counted twice at admission
+        reopened.admit("run2", 1.2, 0.04, 4)
+    reopened.admit("run2", 1.2, 0.04, 3)
+    reopened.admit("run1", 1.0, 0.05, 5)  # a run's own steps are not counted twice at admission
     for _ in range(3):
-        reopened.charge("run2", 1.2, 0.04, 1e-5, limit)
+        reopened.charge("run2", 1.2, 0.04)
     before = path.read_bytes()
     with pytest.raises(BudgetSpent, match="one more step would take this site's records to ε"):
-        reopened.charge("run2", 1.2, 0.04, 1e-5, limit)
+        reopened.charge("run2", 1.2, 0.04)
     assert path.read_bytes() == before, "a refused step is not counted"
     entries = json.loads(before)["entries"]
     assert [(e["run_id"], e["steps"]) for e in entries] == [("run1", 5), ("run2", 3)]
+    # The budget's δ, not a run's: at a large δ the RDP conversion goes negative, which never counts as spent.
+    assert PrivacyLedger(None, "x", budget=(1.0, 0.9)).epsilon([(1.0, 0.05, 5)]) == 0.0
+    assert PrivacyLedger(None, "x", budget=(1.0, 1e-5)).epsilon([(1e-300, 0.05, 5)]) == float("inf")
+    reopened.close()
+
+
+def test_a_ledger_that_cannot_be_written_refuses_the_upload_and_counts_nothing(tmp_path):
+    ledger = PrivacyLedger.of_site(tmp_path, "site-a")
+    ledger.charge("run1", 1.0, 0.05)
+    (tmp_path / "site-a" / (LEDGER_FILE + ".tmp")).mkdir()  # the temporary name is taken: the write fails
+    with pytest.raises(BudgetSpent, match="cannot be written"):
+        ledger.charge("run1", 1.0, 0.05)
+    assert ledger.steps == {("run1", 1.0, 0.05): 1}
+    ledger.close()
 
 
 @pytest.mark.parametrize("content, message", [
@@ -88,7 +104,7 @@ def test_a_second_run_past_the_sites_budget_is_refused_over_grpc(tmp_path):
     state_dir = tmp_path / "site-state"
 
     def site(run, endpoint: str, **privacy):  # enrolled at that coordinator, same data and state_dir
-        return site_config(run.run_dir.parent, "site-a", endpoint, 0, 2, state_dir=str(state_dir), privacy={"require_dp": True, **privacy})
+        return site_config(run.run_dir.parent, "site-a", endpoint, 0, 2, state_dir=str(state_dir), privacy={"require_dp": True, "max_delta": 1e-5, **privacy})
 
     summary = SiteThread(site(first, server.endpoint)).start().join(120)
     server.join(60)
@@ -103,7 +119,7 @@ def test_a_second_run_past_the_sites_budget_is_refused_over_grpc(tmp_path):
 
     second = dp_run(tmp_path, "second", quorum_timeout_s=3)
     server = ServerThread(second).start()
-    no_ledger = site_config(second.run_dir.parent, "site-b", server.endpoint, 1, 2, privacy={"require_dp": True, "max_epsilon": limit})
+    no_ledger = site_config(second.run_dir.parent, "site-b", server.endpoint, 1, 2, privacy={"require_dp": True, "max_epsilon": limit, "max_delta": 1e-5})
     with pytest.raises(RunRefused, match="privacy.max_epsilon bounds this site's records over every run: set state_dir"):
         SiteThread(no_ledger).start().join(60)
     refused = SiteThread(site(second, server.endpoint, max_epsilon=limit)).start()
@@ -112,3 +128,50 @@ def test_a_second_run_past_the_sites_budget_is_refused_over_grpc(tmp_path):
     with pytest.raises(Exception, match="only 0 of the 1 sites needed"):
         server.join(30)
     assert json.loads((state_dir / "site-a" / LEDGER_FILE).read_text()) == ledger, "nothing counted for the refused run"
+
+
+def test_an_upload_past_the_budget_is_refused_by_the_site_and_not_sent(tmp_path):
+    """A coordinator that asks for more uploads than its plan (replays, or a hostile one):
+    the site's own session refuses the upload that would pass privacy.max_epsilon."""
+    from dadfl.client.config import SiteConfig
+    from dadfl.client.site import Session, Site
+    from dadfl.protos import coordinator_pb2 as cpb
+    from test_privacy_network import dp_text
+    from test_site_trust import run_config
+
+    steps = 4
+    config = run_config(dp=dp_text(), steps=steps, batch_size=16)
+
+    def site(**privacy) -> Site:
+        data = {"source": "partition", "site_index": 0, "num_sites": 1}
+        return Site(SiteConfig.model_validate({
+            "site_id": "a", "token": "t" * 20, "connect": {"server": "h:1"}, "data": data, "state_dir": str(tmp_path),
+            "privacy": {"require_dp": True, **privacy},
+        }))
+
+    probe = site()
+    probe.prepare(config)
+    rate = probe.run.releases.sample_rate  # this site's own Poisson rate
+    probe.close()
+    # The run states the site's own rate, so its plan is exactly the budget.
+    config = run_config(dp=dp_text(max_sample_rate=rate), steps=steps, batch_size=16)
+    limit = epsilon(1.0, rate, steps, 1e-5) * (1 + 1e-9)
+    bounded = site(max_epsilon=limit, max_delta=1e-5)
+    bounded.prepare(config)
+    session = Session(bounded)
+    session.step = cpb.StepBegin(step=0, fingerprint="0" * 64)
+    replica = bounded.run.replica
+    inputs, targets = bounded.run.batches.at(0)
+    payload = replica.half.begin(replica.local(inputs, targets), 0)
+    for _ in range(steps):
+        session.upload(payload)
+    sent = len(session.take_outgoing())
+    with pytest.raises(RunRefused, match="one more step would take this site's records to ε .* above privacy.max_epsilon"):
+        session.upload(payload)
+    assert session.take_outgoing() == [] and sent >= steps, "nothing of the refused upload went out"
+    assert json.loads((tmp_path / "a" / LEDGER_FILE).read_text())["entries"][0]["steps"] == steps
+    # A reconnect may not change what the site checked: the same run id with a smaller σ is refused.
+    bounded.prepare(config)
+    with pytest.raises(RunRefused, match="sent run run1's config again with other values"):
+        bounded.prepare(run_config(dp=dp_text(max_sample_rate=rate, noise_multiplier=0.5), steps=steps, batch_size=16))
+    bounded.close()

@@ -1,4 +1,4 @@
-"""[dp] over gRPC: real coordinator and site processes draw the in-process Poisson batches,
+"""[dp] over gRPC: real coordinator and site processes draw fresh Poisson batches,
 release only the noisy dense update, and account the same ε; hostile dp fields are refused."""
 
 from __future__ import annotations
@@ -19,7 +19,10 @@ from dadfl.simulation import SimulationConfig, StrategySpec, simulate
 from test_site_trust import demo_site_config, error_lines, fake_coordinator, run_config, run_site_process, site_toml, write_marker_workload  # noqa: F401 (a fixture)
 
 
-def test_processes_draw_the_same_batches_and_account_the_same_epsilon(tmp_path):
+def test_processes_draw_fresh_poisson_batches_and_account_the_same_epsilon(tmp_path):
+    """Site processes draw every upload's Poisson batch from the operating system (a replay is
+    a new sample, as the accountant counts it); the simulation seeds its draws. Both release
+    the same dense noisy update every step and account the same ε."""
     spec = StrategySpec(name="dad")
     config = SimulationConfig(
         workload="digits-mlp", workload_options={"hidden": 16}, sites=3, batch_size=24, steps=6, eval_every=3,
@@ -31,11 +34,13 @@ def test_processes_draw_the_same_batches_and_account_the_same_epsilon(tmp_path):
         reference = simulate(config, spec, metrics)
     networked, in_memory = list(read_metrics(tmp_path / "processes.jsonl")), list(read_metrics(tmp_path / "memory.jsonl"))
     for net, mem in zip(networked, in_memory, strict=True):
-        for key in ("step", "sites", "samples", "bytes_up", "bytes_down", "dp_epsilon"):
+        for key in ("step", "sites", "bytes_down", "dp_epsilon"):
             assert net.get(key) == mem.get(key), key
         assert net["fingerprint_mismatches"] == []  # every site applied the coordinator's noisy update
         assert net["fingerprint"] != mem["fingerprint"]  # the coordinator's noise is its own secret, not the simulation's seed
     assert len({r["samples"] for r in networked}) > 1  # Poisson batches
+    # About 72 samples a step: six steps drawing the simulation's sizes by chance is below 1e-8.
+    assert [r["samples"] for r in networked] != [r["samples"] for r in in_memory], "the sites' draws are not seeded"
     assert summary["dp_epsilon"] == reference["dp_epsilon"] > 0
 
 
@@ -91,9 +96,9 @@ def test_a_site_refuses_a_run_below_its_privacy_floor_naming_the_setting_and_val
         (dict(require_dp=True, min_noise_multiplier=1.5), dp_text(), "σ = 1 is below privacy.min_noise_multiplier = 1.5"),
         (dict(require_dp=True, max_delta=1e-6), dp_text(), "δ = 1e-05 is above privacy.max_delta = 1e-06"),
         # the coordinator understates its ε: the site's own accountant decides
-        (dict(require_dp=True, max_epsilon=own * 0.9), dp_text(epsilon=own * 0.5), f"ε = {own:.4g} (σ = 1, q = 0.1, 5 steps"),
-        (dict(require_dp=True, max_epsilon=own * 0.9), dp_text(epsilon=own * 0.5, accountant="prv"), "above privacy.max_epsilon"),
-        (dict(require_dp=True, max_epsilon=100.0), dp_text(noise_multiplier=1e-300), "ε = inf (σ = 1e-300"),  # the accountant divides by zero
+        (dict(require_dp=True, max_epsilon=own * 0.9, max_delta=1e-5), dp_text(epsilon=own * 0.5), f"ε = {own:.4g} (σ = 1, q = 0.1, 5 steps"),
+        (dict(require_dp=True, max_epsilon=own * 0.9, max_delta=1e-5), dp_text(epsilon=own * 0.5, accountant="prv"), "above privacy.max_epsilon"),
+        (dict(require_dp=True, max_epsilon=100.0, max_delta=1e-5), dp_text(noise_multiplier=1e-300), "ε = inf (σ = 1e-300"),  # the accountant divides by zero
     ]
     for policy, dp, message in cases:
         with pytest.raises(RunRefused) as refused:
@@ -120,6 +125,8 @@ def test_a_privacy_floor_without_require_dp_is_refused_in_the_site_config():
         PrivacyPolicy(max_epsilon=3.0)
     with pytest.raises(ValidationError, match="max_delta"):
         PrivacyPolicy(require_dp=True, max_delta=1.0)
+    with pytest.raises(ValidationError, match="max_epsilon is a budget at a δ: set max_delta"):
+        PrivacyPolicy(require_dp=True, max_epsilon=3.0)
     with pytest.raises(ValidationError, match="min_noise_multiplier"):
         PrivacyPolicy(require_dp=True, min_noise_multiplier=float("nan"))
 

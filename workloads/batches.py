@@ -15,6 +15,7 @@ augmentation inside ``__getitem__``).
 
 from __future__ import annotations
 
+import secrets
 from typing import Iterator
 
 import numpy as np
@@ -134,15 +135,20 @@ class StepBatches:
 POISSON_STREAM = 0x504F4953  # keeps Poisson draws apart from the epoch permutations of the same seed
 
 
-def poisson_positions(num_samples: int, rate: float, seed: int, step: int) -> torch.Tensor:
+def poisson_positions(num_samples: int, rate: float, seed: int | None, step: int) -> torch.Tensor:
     """Positions of the batch at ``step`` under Poisson sampling: each sample independently
-    with probability ``rate`` (differential privacy's accountant assumes exactly this), from
-    a generator seeded by (seed, step) alone — a replayed step draws the same batch. The
-    batch may be empty."""
+    with probability ``rate`` (differential privacy's accountant assumes exactly this). With a
+    ``seed``, from a generator seeded by (seed, step) alone: a replayed step draws the same
+    batch (the in-process simulation, which never replays). With ``seed`` None, from the
+    operating system's randomness at every call: a replayed step is a new sample (site
+    processes, see ``dadfl/privacy.py``). The batch may be empty."""
     if not 0 < rate <= 1:
         raise ValueError(f"Poisson sampling rate must be in (0, 1], got {rate}")
-    mixed = np.random.SeedSequence([seed & SEED_MASK, step, POISSON_STREAM]).generate_state(1, np.uint64)[0]
-    draws = torch.rand(num_samples, generator=torch.Generator().manual_seed(int(mixed)), dtype=torch.float64)
+    if seed is None:
+        mixed = secrets.randbits(63)
+    else:
+        mixed = int(np.random.SeedSequence([seed & SEED_MASK, step, POISSON_STREAM]).generate_state(1, np.uint64)[0])
+    draws = torch.rand(num_samples, generator=torch.Generator().manual_seed(mixed), dtype=torch.float64)
     return torch.nonzero(draws < rate).reshape(-1)
 
 
@@ -150,7 +156,7 @@ class PoissonBatches:
     """A site's Poisson-sampled batch of any step (``poisson_positions``), same interface as
     ``StepBatches``; an empty draw is an empty ``(inputs, targets)`` pair of the right shapes."""
 
-    def __init__(self, dataset: Dataset, rate: float, seed: int):
+    def __init__(self, dataset: Dataset, rate: float, seed: int | None):
         check_batching(len(dataset), 1)
         self.dataset, self.rate, self.seed = dataset, rate, seed
 
