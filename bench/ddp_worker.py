@@ -10,6 +10,7 @@ trains with DistributedDataParallel + ``powerSGD_hook`` over gloo, and writes
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -79,7 +80,10 @@ def main(rank: int, port: str, folder: Path, spec: dict) -> None:
         metric = replica.evaluate()[workload.metric_name]
     out = folder / f"ddp_r{hook['rank']}_rank{rank}.json"
     out.write_text(json.dumps({"loss": losses, "allreduce_bytes": sent, "metric": metric}))
-    dist.destroy_process_group()
+    # Every rank is past every collective, then leaves without tearing gloo down: its teardown
+    # races the peers' closing sockets and can abort after the results are written.
+    dist.barrier()
+    os._exit(0)
 
 
 if __name__ == "__main__":

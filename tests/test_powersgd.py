@@ -27,7 +27,7 @@ FLOAT = 4
 
 HOOK_WORKER = textwrap.dedent(
     """
-    import sys
+    import os, sys
     import torch, torch.distributed as dist, torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
@@ -62,7 +62,11 @@ HOOK_WORKER = textwrap.dedent(
             optimizer.step()
         results.append(grads)
     torch.save(results, f"{folder}/grads{rank}.pt")
-    dist.destroy_process_group()
+    # Both ranks are past every collective, then leave without tearing gloo down: its
+    # teardown races the peer's closing socket and can abort ("terminate called without an
+    # active exception") after the results are written.
+    dist.barrier()
+    os._exit(0)
     """
 )
 
