@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 import typing
 from typing import Annotated, Any, Callable
 
 from pydantic import ConfigDict, Field, ValidationError, create_model
+
+log = logging.getLogger("dadfl.options")
 
 MAX_TEXT_CHARS = 256  # one string option
 BOUNDED = {
@@ -48,7 +51,11 @@ def factory_options(factory: Callable, options: dict[str, Any], what: str) -> di
         return options
     try:
         hints = typing.get_type_hints(factory)
-    except Exception:  # annotations that do not resolve: check names only
+    except Exception as exc:  # annotations that do not resolve: check names only, and say so
+        log.warning(
+            "%s: the annotations of %s do not resolve (%s: %s), so its options are checked by name only, not by type",
+            what, getattr(factory, "__qualname__", "the factory"), type(exc).__name__, str(exc)[:200],
+        )
         hints = {}
     parameters = {
         name: (hints.get(name, Any), ... if p.default is p.empty else p.default) for name, p in signature.parameters.items()

@@ -217,3 +217,16 @@ def test_every_builtin_factory_has_resolvable_hints_so_options_are_type_checked(
     assert hints["seed"] is int
     with pytest.raises(ValueError, match="seed"):
         factory_options(factory, {"seed": "abc"}, name)
+
+
+def test_a_factory_whose_hints_do_not_resolve_is_checked_by_name_and_says_so(caplog):
+    from dadfl.options import factory_options
+
+    def factory(hidden: "NotDefinedAnywhere" = 4):  # noqa: F821
+        return hidden
+
+    with caplog.at_level("WARNING", logger="dadfl.options"):
+        assert factory_options(factory, {"hidden": "abc"}, "my_wl:factory") == {"hidden": "abc"}
+    assert "my_wl:factory: the annotations of" in caplog.text and "checked by name only, not by type" in caplog.text
+    with pytest.raises(ValueError, match="width"):
+        factory_options(factory, {"width": 3}, "my_wl:factory")
