@@ -164,6 +164,8 @@ class PrivacyLedger:
     def charge(self, run_id: str, noise_multiplier: float, sample_rate: float) -> None:
         """Count one more step of (σ, q) for ``run_id``, on disk before it returns; refuse it,
         counting nothing, if it would pass the budget or cannot be written."""
+        if self.path is not None and self._lock is None:
+            raise BudgetSpent(f"the privacy ledger {self.path} was closed: the site sends nothing it cannot count")
         key = (run_id, noise_multiplier, sample_rate)
         if key not in self.steps and len(self.steps) >= MAX_ENTRIES:
             raise BudgetSpent(f"the privacy ledger holds {MAX_ENTRIES} entries already; archive it and start a new one deliberately")

@@ -309,10 +309,8 @@ class Site:
 
     def prepare(self, config: cpb.RunConfig) -> None:
         """Build the replica and data stream for the server's run (once per run id)."""
-        if self.run is not None and self.run.config.run_id == config.run_id:
-            if config != self.run.config:  # what the site checked and built must still hold
-                raise RunRefused(f"the coordinator sent run {config.run_id}'s config again with other values; a run's config does not change")
-            return
+        if self.run is not None and config == self.run.config:
+            return  # a reconnect to the same run; any other config is checked and built anew
         checked = check_run_config(config, self.config, MAX_CHUNK_BYTES)  # before any workload code is imported
         workload = build_workload(checked, self.config.limits, self.config.workload_path)
         privacy = checked.privacy
@@ -353,6 +351,7 @@ class Site:
     def close(self) -> None:
         if self.ledger is not None:
             self.ledger.close()
+            self.ledger = None
 
     async def join(self, insecure: bool = False) -> bool:
         """Open a channel (``open_channel``) and take part over one stream; True when the run finished."""

@@ -170,8 +170,12 @@ def test_an_upload_past_the_budget_is_refused_by_the_site_and_not_sent(tmp_path)
         session.upload(payload)
     assert session.take_outgoing() == [] and sent >= steps, "nothing of the refused upload went out"
     assert json.loads((tmp_path / "a" / LEDGER_FILE).read_text())["entries"][0]["steps"] == steps
-    # A reconnect may not change what the site checked: the same run id with a smaller σ is refused.
+    # A reconnect with the same config keeps the run; the same run id with a smaller σ is checked anew.
+    kept = bounded.run
     bounded.prepare(config)
-    with pytest.raises(RunRefused, match="sent run run1's config again with other values"):
+    assert bounded.run is kept
+    with pytest.raises(RunRefused, match="above privacy.max_epsilon"):
         bounded.prepare(run_config(dp=dp_text(max_sample_rate=rate, noise_multiplier=0.5), steps=steps, batch_size=16))
     bounded.close()
+    with pytest.raises(BudgetSpent, match="was closed"):
+        kept.releases.charge()
