@@ -147,6 +147,8 @@ async def _echo_server(n_clients: int, rounds: int) -> list[float]:
     await server.stop(5)  # lets the handlers end their streams before the blocking joins
     for client in clients:
         client.join(30)
+        if client.exitcode != 0:  # a client not waited for would be missing from the CPU figures
+            raise RuntimeError(f"an echo client ended with {client.exitcode} (None: still running after 30 s)")
     return times[WARMUP:]
 
 

@@ -36,6 +36,7 @@ import argparse
 import asyncio
 import gc
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -171,6 +172,8 @@ def run_scale(n_sites: int, steps: int, processes: int) -> dict:
         records = list(read_metrics(metrics))
         if len(records) != steps or coordinator.returncode != 0:
             raise RuntimeError(f"{n_sites} sites: {len(records)} of {steps} steps, coordinator exit {coordinator.returncode}")
+        if math.isnan(rss_last):
+            raise RuntimeError(f"{n_sites} sites: the coordinator exited before its memory was read after the last step")
     measured = records[WARMUP:]
     step_s = statistics.median(r["seconds"] for r in measured)
     (first, cpu_first), (last, cpu_last) = cpu_marks.get(WARMUP, (0, 0.0)), cpu_marks.get(steps, (0, 0.0))

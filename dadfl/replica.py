@@ -59,7 +59,8 @@ class Replica:
     def __post_init__(self) -> None:
         self.model = self.workload.build_model().to(self.device)
         # FedAvg and DiLoCo apply the round's mean delta with their own outer optimizer.
-        self.optimizer = self.strategy.outer_optimizer(self.model.parameters()) or self.optimizer_config.build(self.model.parameters())
+        outer = self.strategy.outer_optimizer(self.model.parameters())
+        self.optimizer = outer if outer is not None else self.optimizer_config.build(self.model.parameters())
         example = self.workload.example().to(self.device)
         self.layout = Layout.from_model(self.model, example)
         self.half = self.strategy.site(self.layout, self.model)
@@ -71,7 +72,7 @@ class Replica:
         indices = self.strategy.batch_indices(step)
         if isinstance(self.half, LocalStepsSite):
             self.model.train()
-            batches = [tuple(t.to(self.device) for t in batch_at(i)) for i in indices]
+            batches = (tuple(t.to(self.device) for t in batch_at(i)) for i in indices)  # one batch held at a time
             return self.half.train(self.model, self.workload.loss, batches, self.optimizer_config.build)
         return self.local(*batch_at(indices[0]))
 

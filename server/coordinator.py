@@ -151,6 +151,7 @@ class StepResult:
     site_fingerprints: dict[str, str]
     fingerprint: str  # the server's weights after applying the step
     site_evals: dict  # site id -> its EvalReport (unchecked), on evaluation steps
+    said_next: bool  # the step's last message carried `next`: every participant began the next step
 
 
 class Coordinator(cpb_grpc.CoordinatorServicer):
@@ -636,7 +637,10 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                     missing = sorted({link.site_id for link in active} - set(dones))
                     return self._abort(active, step, attempt, f"{', '.join(missing)} left before reporting step {step} done")
                 fingerprint = await self._off_loop(sum(m.nbytes() for m in messages), self.replica.apply_update, update)
-                return StepResult(active, messages, samples, loss_sum, bytes_up, bytes_down, phase_seconds, dones, fingerprint, site_evals)
+                return StepResult(
+                    active, messages, samples, loss_sum, bytes_up, bytes_down, phase_seconds, dones, fingerprint, site_evals,
+                    said_next=going_next is not None,
+                )
             if lost and phase > 0:
                 return self._abort(active, step, attempt, f"{', '.join(lost)} left after phase 0, which already counted them")
             if len(uploads) < min_sites:
@@ -890,8 +894,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         for link in result.participants:
             if link.site_id in result.site_fingerprints:  # it saved its half's state before reporting done
                 link.state_steps = frozenset({self.step})
-        if self.step < steps and not (self.privacy and self.privacy.stop_reason()):  # the message said `next` (_run_step)
-            # every participant has begun the next step by itself
+        if result.said_next:  # every participant has begun the next step by itself
             self.went_ahead = set(result.participants)
             # Those whose weights differed began from the wrong ones: they get a step_begin (and the state).
             self.going_on = {link for link in result.participants if link.site_id not in mismatched}

@@ -34,8 +34,9 @@ the per-sample clipping there bounds one step's gradient, not an H-step delta.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -58,7 +59,7 @@ class LocalStepsSite(DenseSite):
     would train a stale copy): ``train`` is handed the replica's model every round.
     """
 
-    def train(self, model: nn.Module, loss_fn: Callable, batches: Sequence[Batch], run_optimizer: OptimizerFactory) -> LocalResult:
+    def train(self, model: nn.Module, loss_fn: Callable, batches: Iterable[Batch], run_optimizer: OptimizerFactory) -> LocalResult:
         """H inner steps from the current weights; the weights are put back afterwards, so
         the replica applies the round's update from θ_t like every other replica."""
         params = dict(model.named_parameters())
@@ -173,7 +174,7 @@ class FedAvg(LocalSteps):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.server_lr > 0:
+        if not 0 < self.server_lr < math.inf:
             raise ValueError(f"fedavg: server_lr={self.server_lr} must be positive (1.0 is the plain average)")
 
     def site(self, layout: Layout, model=None) -> LocalStepsSite:
@@ -193,9 +194,10 @@ class DiLoCo(LocalSteps):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not (self.inner_lr > 0 and self.outer_lr > 0 and self.weight_decay >= 0 and 0 <= self.outer_momentum < 1):
+        finite = all(math.isfinite(v) for v in (self.inner_lr, self.outer_lr, self.weight_decay))
+        if not (finite and self.inner_lr > 0 and self.outer_lr > 0 and self.weight_decay >= 0 and 0 <= self.outer_momentum < 1):
             raise ValueError(
-                f"diloco: need inner_lr > 0, outer_lr > 0, weight_decay >= 0 and 0 <= outer_momentum < 1 "
+                f"diloco: need finite inner_lr > 0, outer_lr > 0, weight_decay >= 0 and 0 <= outer_momentum < 1 "
                 f"(got {self.inner_lr}, {self.outer_lr}, {self.weight_decay}, {self.outer_momentum})"
             )
 

@@ -74,7 +74,7 @@ class LowRank:
         return self.P.shape[-1]
 
     def dense(self) -> torch.Tensor:
-        """P Qᵀ (G, m, k) — for tests and diagnostics; the strategies never need it."""
+        """P Qᵀ (G, m, k): what the factors approximate (rank-dAD's residual subtracts it)."""
         return torch.bmm(self.P, self.Q.transpose(1, 2))
 
 

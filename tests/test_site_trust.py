@@ -177,6 +177,7 @@ HOSTILE_RUN_CONFIGS = {
     "not an object": (dict(optimizer="[1, 2]"), "must be a JSON object"),
     "huge batch": (dict(batch_size=1_000_000_000), "limits.max_batch_size"),
     "huge steps": (dict(steps=10**15), "limits.max_steps"),
+    "huge rounds": (dict(strategy="fedavg", strategy_options='{"local_steps": 10000}', batch_size=16), "batch_size × local steps"),
     "huge chunks": (dict(chunk_bytes=1 << 30), "chunk_bytes"),
     "huge payloads": (dict(max_payload_bytes=1 << 40), "limits.max_payload_bytes"),
     "unknown codec": (dict(codec="zip"), "codec 'zip'"),
