@@ -58,6 +58,7 @@ log = logging.getLogger("dadfl.site")
 MAX_CHUNK_BYTES = 4 << 20  # the largest chunk_bytes a server config allows
 INLINE_BYTES = 1 << 20  # models smaller than this step on the event loop: a hop to a thread costs more
 REASON_CHARS = 300  # of a reason the server sends, when logged
+FINISHED_STATUS_S = 2.0  # after `finished`, how long a site waits for the stream's status before cancelling its call
 PERMANENT = {
     grpc.StatusCode.UNAUTHENTICATED,
     grpc.StatusCode.PERMISSION_DENIED,
@@ -374,12 +375,28 @@ class Site:
                 if message is grpc.aio.EOF:
                     return False
                 if await self._handle(session, message):
+                    await self._await_status(call)
                     return True
         except asyncio.InvalidStateError:  # a write after the server ended the stream: reading raises its status
             await call.read()
             return False
         finally:
             call.cancel()
+
+    @staticmethod
+    async def _await_status(call) -> None:
+        """After ``finished``: end this side and read until the server's status (at most
+        FINISHED_STATUS_S) before the call is cancelled. A cancel racing the status the server
+        sends as its handler returns makes gRPC log an error at the server."""
+        async def until_end() -> None:
+            while await call.read() is not grpc.aio.EOF:
+                pass
+
+        try:
+            await call.done_writing()
+            await asyncio.wait_for(until_end(), FINISHED_STATUS_S)
+        except (asyncio.TimeoutError, asyncio.InvalidStateError, grpc.RpcError):
+            pass  # the run has finished either way
 
     async def _handle(self, session: Session, message: cpb.ServerMessage) -> bool:
         """``session.handle``, in a worker thread for the replica's build and a large model's steps."""
