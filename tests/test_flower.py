@@ -37,7 +37,7 @@ def in_process_records(config, spec, path):
 
 
 def assert_same_training(records, reference):
-    """Same weights after every step (fingerprints are SHA-256 of every parameter and buffer),
+    """Same weights after every step (fingerprints hash every bit of every parameter and buffer),
     same losses and exact payload bytes."""
     assert [r["step"] for r in records] == [r["step"] for r in reference]
     for record, expected in zip(records, reference):
