@@ -38,6 +38,22 @@ all participants describe the same federation. Exactness is unaffected; strategy
 the gRPC runtime. Nodes that fail or do not answer stop the run with an error: this
 integration has no dropout tolerance (the gRPC runtime, ``dadfl server``, has).
 
+**Trust.** A node's reply is hostile until checked, as an upload is in the gRPC runtime.
+The ServerApp first reads it without decoding any tensor (:func:`read_reply`): only the
+header and tensor records; the header fields of its status with their types; tensor keys
+the strategy's upload rules name for the phase, with their dtypes; at most
+``MAX_PAYLOAD_BYTES`` of tensor data; and each ``.npy`` header must account exactly for
+the bytes that follow before one copy is made (``np.load`` would allocate whatever a
+header claims). Then the gRPC coordinator's own checks run: the protocol header
+(``server/validate.py``: step, attempt, phase, base weights, sample count, loss), the
+strategy's rules and the influence bound, and the aggregated message as every node will
+decode it (``server/screening.py``). A Flower run config has no ``[federation]`` or
+``[wire]`` section, so the bounds are the gRPC server config's defaults:
+``max_influence_ratio`` 100, no ``max_update_norm``, ``max_payload_bytes`` 1 GiB.
+Without dropout tolerance, a refused node stops the run with a :class:`FlowerRunError`
+naming the node and the reason. What Flower itself holds before the ServerApp sees a
+reply (the message as the SuperLink received it) is Flower's to bound.
+
 Flower's deployment engine polls every 3 s, so each round trip (1 + number of phases
 per step) costs seconds; use Flower to join existing federations and the gRPC runtime
 for speed. Entry points: :func:`make_flower_apps`, :func:`simulate_flower` and
@@ -51,8 +67,8 @@ from __future__ import annotations
 import functools
 import io
 import json
-import math
 import logging
+import math
 import os
 import pickle
 import time
@@ -192,7 +208,8 @@ def read_reply(content: RecordDict, upload_dtypes: Callable[[], dict[str, set[to
         raise Refused(f"no {HEADER!r} config record")
     status = header.get("status")
     if not isinstance(status, str) or status not in REPLY_FIELDS:
-        raise Refused(f"status {quote(status) if isinstance(status, str) else type(status).__name__}; expected one of {', '.join(REPLY_FIELDS)}")
+        shown = quote(status) if isinstance(status, str) else f"of type {type(status).__name__}"
+        raise Refused(f"unknown status {shown}; expected one of {', '.join(REPLY_FIELDS)}")
     wanted = REPLY_FIELDS[status]
     unknown = sorted(set(header) - set(wanted) - {"status"})
     if unknown:
@@ -221,11 +238,11 @@ def _field(header: ConfigRecord, name: str, kind: type) -> Any:
     value = header.get(name)
     if kind is int and isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT:
         return value
-    if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
+    if kind is float and isinstance(value, float):
+        return value
     if kind is str and isinstance(value, str) and len(value) <= MAX_FIELD_CHARS:
         return value
-    bound = {int: f"an integer in 0..{MAX_COUNT}", float: "a number", str: f"text of at most {MAX_FIELD_CHARS} characters"}[kind]
+    bound = {int: f"an integer in 0..{MAX_COUNT}", float: "a floating-point number", str: f"text of at most {MAX_FIELD_CHARS} characters"}[kind]
     raise Refused(f"header field {name!r} is {'missing' if value is None else 'not ' + bound}")
 
 
@@ -243,13 +260,15 @@ def _decode_array(key: str, array: Array, dtypes: set[torch.dtype]) -> torch.Ten
             raise ValueError(f"npy format version {version}")
         read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
         shape, fortran_order, dtype = read(stream)
-    except ValueError as exc:
+    except (ValueError, TypeError, SyntaxError) as exc:  # numpy's reasons for a malformed header
         raise Refused(f"{where}: not a valid .npy array ({one_line(str(exc), 80)})") from None
     wanted = NUMPY_DTYPES.get(dtype)
     if wanted not in dtypes:
         raise Refused(f"{where}: dtype {one_line(str(dtype), 40)}, expected {' or '.join(sorted(map(str, dtypes)))}")
-    if len(shape) > MAX_DIMS or any(size < 0 for size in shape):
-        raise Refused(f"{where}: invalid shape {shape}")
+    if len(shape) > MAX_DIMS:
+        raise Refused(f"{where}: {len(shape)} dimensions, at most {MAX_DIMS}")
+    if any(size < 0 for size in shape):
+        raise Refused(f"{where}: negative size in shape {shape}")
     data = memoryview(array.data)[stream.tell():]
     if len(data) != math.prod(shape) * dtype.itemsize:
         raise Refused(f"{where}: shape {shape} needs {math.prod(shape) * dtype.itemsize} bytes, it carries {len(data)}")
