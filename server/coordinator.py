@@ -79,7 +79,6 @@ from pathlib import Path
 from typing import NoReturn
 
 import grpc
-import torch
 from google.protobuf.message import DecodeError
 
 from dadfl.metrics import MetricsWriter, is_eval_step, read_metrics, run_summary
