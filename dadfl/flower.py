@@ -38,6 +38,22 @@ all participants describe the same federation. Exactness is unaffected; strategy
 the gRPC runtime. Nodes that fail or do not answer stop the run with an error: this
 integration has no dropout tolerance (the gRPC runtime, ``dadfl server``, has).
 
+**Trust.** A node's reply is hostile until checked, as an upload is in the gRPC runtime.
+The ServerApp first reads it without decoding any tensor (:func:`read_reply`): only the
+header and tensor records; the header fields of its status with their types; tensor keys
+the strategy's upload rules name for the phase, with their dtypes; at most
+``MAX_PAYLOAD_BYTES`` of tensor data; and each ``.npy`` header must account exactly for
+the bytes that follow before one copy is made (``np.load`` would allocate whatever a
+header claims). Then the gRPC coordinator's own checks run: the protocol header
+(``server/validate.py``: step, attempt, phase, base weights, sample count, loss), the
+strategy's rules and the influence bound, and the aggregated message as every node will
+decode it (``server/screening.py``). A Flower run config has no ``[federation]`` or
+``[wire]`` section, so the bounds are the gRPC server config's defaults:
+``max_influence_ratio`` 100, no ``max_update_norm``, ``max_payload_bytes`` 1 GiB.
+Without dropout tolerance, a refused node stops the run with a :class:`FlowerRunError`
+naming the node and the reason. What Flower itself holds before the ServerApp sees a
+reply (the message as the SuperLink received it) is Flower's to bound.
+
 Flower's deployment engine polls every 3 s, so each round trip (1 + number of phases
 per step) costs seconds; use Flower to join existing federations and the gRPC runtime
 for speed. Entry points: :func:`make_flower_apps`, :func:`simulate_flower` and
@@ -49,14 +65,16 @@ for speed. Entry points: :func:`make_flower_apps`, :func:`simulate_flower` and
 from __future__ import annotations
 
 import functools
+import io
 import json
 import logging
+import math
 import os
 import pickle
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 import numpy as np
 import torch
@@ -69,8 +87,15 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordD
 from flwr.clientapp import ClientApp  # noqa: E402
 from flwr.serverapp import Grid, ServerApp  # noqa: E402
 
+from dadfl.protos import tensor_pb2 as pb
+from dadfl.protos.codec import DTYPES, MAX_DIMS, Assembled
 from dadfl.protos.state import load_state, state_payload
+from dadfl.sanitize import one_line
+from dadfl.server.config import FederationConfig, WireConfig
+from dadfl.server.screening import Screening
+from dadfl.server.validate import PayloadError, check_protocol
 from dadfl.strategies import Payload, make_strategy, weights_fingerprint
+from dadfl.strategies.checks import quote
 from dadfl.workloads import Split, StepBatches, Workload, load_workload, partition, site_batches
 
 from .config import load_config, validate_config
@@ -126,6 +151,131 @@ def record_from_tensors(tensors: dict[str, torch.Tensor]) -> ArrayRecord:
 def tensors_from_record(record: ArrayRecord) -> dict[str, torch.Tensor]:
     # np.load from bytes gives read-only arrays; torch wants writable memory.
     return {key: torch.from_numpy(np.array(array.numpy(), copy=True)) for key, array in record.items()}
+
+
+# ----------------------------------------------------------------------------- what a node may reply
+
+# The gRPC server's defaults (server/config.py): a Flower run config has no [federation] or [wire].
+FEDERATION = FederationConfig()
+MAX_PAYLOAD_BYTES = WireConfig().max_payload_bytes
+MAX_FIELD_CHARS = 64  # a fingerprint: SHA-256 in hex
+MAX_COUNT = 2**31 - 1  # steps, phases, attempts and samples fit the wire header's fields
+
+# The header fields of each reply status, by type (besides "status"); nothing else may be there.
+REPLY_FIELDS: dict[str, dict[str, type]] = {
+    PAYLOAD: {"step": int, "phase": int, "num_samples": int, "attempt": int, "base_fingerprint": str, "loss_sum": float},
+    DONE: {"step": int, "fingerprint": str},
+    NEED_STATE: {"fingerprint": str},
+    LOST: {"step": int, "phase": int},
+}
+NUMPY_DTYPES = {np.dtype(torch.empty(0, dtype=d).numpy().dtype): d for d in DTYPES if d != torch.bfloat16}
+
+
+class Refused(ValueError):
+    """A node's reply the server does not accept; the text says what was wrong, never its values."""
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A node's checked reply: its status, header fields and (status ``payload``) its upload."""
+
+    status: str
+    fields: dict[str, Any]
+    payload: Payload | None = None
+
+    def upload(self) -> Assembled:
+        """The upload with the header the gRPC protocol checks read (``validate.check_protocol``)."""
+        header = pb.PayloadHeader(
+            kind=pb.PHASE, step=self.fields["step"], phase=self.fields["phase"], num_samples=self.fields["num_samples"],
+            attempt=self.fields["attempt"], base_fingerprint=self.fields["base_fingerprint"], loss_sum=self.fields["loss_sum"],
+        )
+        return Assembled(self.payload, header)
+
+
+def read_reply(content: RecordDict, upload_dtypes: Callable[[], dict[str, set[torch.dtype]] | None], max_bytes: int) -> Reply:
+    """A node's reply, every record and field checked before any tensor is decoded.
+
+    Only the header and (for a payload) the tensor record may be there; the header holds
+    the fields of its status with their types; tensors are keys ``upload_dtypes()`` names
+    (None: the phase takes no upload) with one of its dtypes, ``max_bytes`` in all, each
+    ``.npy`` header accounting exactly for its bytes.
+    """
+    extra = sorted(set(content) - {HEADER, TENSORS})
+    if extra:
+        raise Refused(f"unexpected record {quote(extra[0])}")
+    header = content.config_records.get(HEADER)
+    if header is None:
+        raise Refused(f"no {HEADER!r} config record")
+    status = header.get("status")
+    if not isinstance(status, str) or status not in REPLY_FIELDS:
+        shown = quote(status) if isinstance(status, str) else f"of type {type(status).__name__}"
+        raise Refused(f"unknown status {shown}; expected one of {', '.join(REPLY_FIELDS)}")
+    wanted = REPLY_FIELDS[status]
+    unknown = sorted(set(header) - set(wanted) - {"status"})
+    if unknown:
+        raise Refused(f"unexpected header field {quote(unknown[0])} in a {status!r} reply")
+    fields = {name: _field(header, name, kind) for name, kind in wanted.items()}
+    arrays = content.array_records.get(TENSORS)
+    if status != PAYLOAD:
+        if arrays is not None:
+            raise Refused(f"a {status!r} reply carries tensors")
+        return Reply(status, fields)
+    allowed = upload_dtypes()
+    if allowed is None:
+        raise Refused(f"phase {fields['phase']} takes no upload")
+    arrays = arrays if arrays is not None else {}
+    for key in arrays:
+        if key not in allowed:
+            raise Refused(f"unexpected tensor {quote(key)}")
+    total = sum(len(array.data) if isinstance(array.data, bytes) else 0 for array in arrays.values())
+    if total > max_bytes:
+        raise Refused(f"payload of {total} bytes exceeds the limit of {max_bytes} bytes (the gRPC runtime's max_payload_bytes)")
+    tensors = {key: _decode_array(key, array, allowed[key]) for key, array in arrays.items()}
+    return Reply(status, fields, Payload(fields["step"], fields["phase"], fields["num_samples"], tensors))
+
+
+def _field(header: ConfigRecord, name: str, kind: type) -> Any:
+    value = header.get(name)
+    if kind is int and isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT:
+        return value
+    if kind is float and isinstance(value, float):
+        return value
+    if kind is str and isinstance(value, str) and len(value) <= MAX_FIELD_CHARS:
+        return value
+    bound = {int: f"an integer in 0..{MAX_COUNT}", float: "a floating-point number", str: f"text of at most {MAX_FIELD_CHARS} characters"}[kind]
+    raise Refused(f"header field {name!r} is {'missing' if value is None else 'not ' + bound}")
+
+
+def _decode_array(key: str, array: Array, dtypes: set[torch.dtype]) -> torch.Tensor:
+    """One tensor from its ``.npy`` bytes: the header read and checked first (a known dtype
+    among ``dtypes``, at most ``MAX_DIMS`` dimensions, exactly the bytes that follow), then
+    one copy into writable memory. Never ``np.load``: it allocates what a header claims."""
+    where = f"tensor {key!r}"
+    if array.stype != "numpy.ndarray" or not isinstance(array.data, bytes):
+        raise Refused(f"{where}: not a numpy array")
+    stream = io.BytesIO(array.data)
+    try:
+        version = np.lib.format.read_magic(stream)
+        if version not in ((1, 0), (2, 0)):
+            raise ValueError(f"npy format version {version}")
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, fortran_order, dtype = read(stream)
+    except (ValueError, TypeError, SyntaxError) as exc:  # numpy's reasons for a malformed header
+        raise Refused(f"{where}: not a valid .npy array ({one_line(str(exc), 80)})") from None
+    wanted = NUMPY_DTYPES.get(dtype)
+    if wanted not in dtypes:
+        raise Refused(f"{where}: dtype {one_line(str(dtype), 40)}, expected {' or '.join(sorted(map(str, dtypes)))}")
+    if len(shape) > MAX_DIMS:
+        raise Refused(f"{where}: {len(shape)} dimensions, at most {MAX_DIMS}")
+    if any(size < 0 for size in shape):
+        raise Refused(f"{where}: negative size in shape {shape}")
+    data = memoryview(array.data)[stream.tell():]
+    if len(data) != math.prod(shape) * dtype.itemsize:
+        raise Refused(f"{where}: shape {shape} needs {math.prod(shape) * dtype.itemsize} bytes, it carries {len(data)}")
+    flat = torch.frombuffer(bytearray(data), dtype=wanted) if len(data) else torch.empty(0, dtype=wanted)
+    if fortran_order:  # as np.load reads it: the reversed shape, transposed
+        return flat.reshape(shape[::-1]).permute(*reversed(range(len(shape))))
+    return flat.reshape(shape)
 
 
 def payload_content(payload: Payload, **header: Any) -> RecordDict:
@@ -248,6 +398,8 @@ class NodeReplica:
     settings: RunSettings
     replica: Replica
     step: int = -1  # the step under way; -1 between steps
+    attempt: int = 0  # the server's try of that step
+    base: str = ""  # the fingerprint of the weights the step began from
     messages: list[Payload] = field(default_factory=list)
 
     @classmethod
@@ -271,6 +423,8 @@ class NodeReplica:
             {
                 "settings": self.settings_json,
                 "step": self.step,
+                "attempt": self.attempt,
+                "base": self.base,
                 "message_num_samples": [m.num_samples for m in self.messages],
                 "half": _pickled_half(self.replica.half),
             }
@@ -288,7 +442,7 @@ class NodeReplica:
         if half:
             # Node-local bytes this node wrote itself (context.state never comes from the network).
             node.replica.half = pickle.loads(half)
-        node.step = int(info["step"])
+        node.step, node.attempt, node.base = int(info["step"]), int(info["attempt"]), str(info["base"])
         records = context.state.array_records
         node.messages = [
             Payload(node.step, phase, int(num_samples), tensors_from_record(records[NODE_MESSAGE.format(phase)]))
@@ -302,6 +456,11 @@ def _pickled_half(half: Any) -> bytes:
         return pickle.dumps(half, protocol=pickle.HIGHEST_PROTOCOL)
     except (pickle.PicklingError, AttributeError, TypeError):
         return b""  # rebuilt from the strategy at the next message (module docstring)
+
+
+def _upload_reply(message: Message, node: NodeReplica, payload: Payload, loss_sum: float = 0.0) -> Message:
+    """A payload reply, its header as the server checks it (``REPLY_FIELDS``)."""
+    return _reply(message, PAYLOAD, payload, loss_sum=loss_sum, attempt=node.attempt, base_fingerprint=node.base)
 
 
 def _reply(message: Message, status: str, payload: Payload | None = None, **header: Any) -> Message:
@@ -337,24 +496,25 @@ def handle_step(message: Message, context: Context) -> Message:
     stream = batch_stream(context, node.settings.config, node.replica.workload, partition_index)
     local = node.replica.work(stream.at, step)
     payload = node.replica.half.begin(local, step)
-    node.step, node.messages = step, []
+    node.step, node.attempt, node.base, node.messages = step, int(header["attempt"]), fingerprint, []
     node.save(context, weights=True)  # forward passes move normalisation statistics
-    return _reply(message, PAYLOAD, payload, loss_sum=float(local.loss_sum))
+    return _upload_reply(message, node, payload, float(local.loss_sum))
 
 
 def handle_phase(message: Message, context: Context) -> Message:
     """``train.phase``: take the server's message; reply with the next payload, or apply the
     step's messages and reply with the weights fingerprint."""
     server_message = payload_from_content(message.content)
+    attempt = int(message.content.config_records[HEADER]["attempt"])
     node = NodeReplica.restore(context)
-    if node is None or node.step != server_message.step or len(node.messages) != server_message.phase:
+    if node is None or (node.step, node.attempt, len(node.messages)) != (server_message.step, attempt, server_message.phase):
         return _reply(message, LOST, step=server_message.step, phase=server_message.phase)
     server_message = server_message.to(node.replica.device)
     node.messages.append(server_message)
     reply = node.replica.half.receive(server_message)
     if reply is not None:
         node.save(context, weights=False)
-        return _reply(message, PAYLOAD, reply)
+        return _upload_reply(message, node, reply)
     fingerprint = node.replica.apply(node.messages)
     node.step, node.messages = -1, []
     node.save(context, weights=True)
@@ -399,6 +559,7 @@ class FlowerCoordinator:
         device = resolve_device(self.config.device)
         self.replica = Replica(workload_for(self.config), self.strategy, self.config.optimizer, device)
         self.server_half = self.strategy.server(self.replica.layout, self.replica.model)
+        self.screening = Screening(self.replica, FEDERATION.max_influence_ratio, FEDERATION.max_update_norm)
         self.fingerprint = weights_fingerprint(self.replica.model)
         self.nodes: list[int] = []
 
@@ -425,7 +586,7 @@ class FlowerCoordinator:
             while result is None:
                 if attempt == MAX_ATTEMPTS_PER_STEP:
                     raise FlowerRunError(f"step {step}: nodes kept losing their state after {attempt} attempts")
-                result = self.run_step(step, resync=attempt > 0)
+                result = self.run_step(step, attempt)
                 attempt += 1
             self.fingerprint = self.replica.apply(result.messages)
             elapsed = time.perf_counter() - started
@@ -456,43 +617,87 @@ class FlowerCoordinator:
                 self.progress(step)
         return run_summary(records, self.spec.display, self.replica.workload.metric_name)
 
-    def run_step(self, step: int, resync: bool) -> StepResult | None:
+    def run_step(self, step: int, attempt: int) -> StepResult | None:
         """All phases of one step, as ``exchange`` runs them; None when a node lost its state.
 
-        The server has then applied nothing; the restart (``resync``) sends every node the
-        full state, which also undoes what nodes that finished the step had applied.
+        The server has then applied nothing; the restart (a later ``attempt``) sends every
+        node the full state, which also undoes what nodes that finished the step had applied.
         """
+        resync = attempt > 0
         if resync:
             self.server_half = self.strategy.server(self.replica.layout, self.replica.model)
         phase_started = time.perf_counter()
-        replies = self.round(step, 0, STEP_MESSAGE, self.step_content(step, resync))
+        replies = self.round(step, attempt, 0, STEP_MESSAGE, self.step_content(step, attempt, resync))
         if self.needs_restart(step, replies, state_sent=resync):
             return None
-        payloads = [payload_from_content(reply.content).to(self.replica.device) for reply in replies]
+        messages: list[Payload] = []
+        payloads = self.uploads(step, attempt, 0, replies, messages)
         samples = sum(p.num_samples for p in payloads)
-        loss_sum = sum(float(reply.content.config_records[HEADER]["loss_sum"]) for reply in replies)
-        messages, phase_seconds, bytes_up, bytes_down = [], [], 0, 0
+        loss_sum = sum(reply.fields["loss_sum"] for reply in replies)
+        phase_seconds, bytes_up, bytes_down = [], 0, 0
         while True:
             bytes_up += sum(p.nbytes() for p in payloads)
-            message = self.server_half.aggregate(payloads)
+            message = self.aggregate(step, payloads, messages)
             messages.append(message)
             bytes_down += message.nbytes() * len(self.nodes)
-            content = payload_content(message)
-            replies = self.round(step, message.phase, PHASE_MESSAGE, lambda _: content)
+            content = payload_content(message, attempt=attempt)
+            replies = self.round(step, attempt, message.phase + 1, PHASE_MESSAGE, lambda _: content)
             phase_seconds.append(time.perf_counter() - phase_started)
             phase_started = time.perf_counter()
             if self.needs_restart(step, replies, state_sent=False):
                 return None
-            statuses = {str(reply.content.config_records[HEADER]["status"]) for reply in replies}
+            statuses = {reply.status for reply in replies}
             if statuses == {DONE}:
-                headers = [reply.content.config_records[HEADER] for reply in replies]
-                fingerprints = {node: str(header["fingerprint"]) for node, header in zip(self.nodes, headers)}
+                fingerprints = {node: reply.fields["fingerprint"] for node, reply in zip(self.nodes, replies)}
                 return StepResult(messages, samples, loss_sum, bytes_up, bytes_down, phase_seconds, fingerprints)
             if statuses != {PAYLOAD}:
                 raise FlowerRunError(f"step {step}: nodes disagree on the number of phases ({sorted(statuses)})")
-            payloads = [payload_from_content(reply.content).to(self.replica.device) for reply in replies]
+            payloads = self.uploads(step, attempt, message.phase + 1, replies, messages)
 
-    def step_content(self, step: int, with_state: bool) -> Callable[[int], RecordDict]:
+    def uploads(self, step: int, attempt: int, phase: int, replies: Sequence[Reply], messages: list[Payload]) -> list[Payload]:
+        """The phase's payloads, each past the protocol checks (``validate.check_protocol``),
+        then all past the strategy's rules and the influence bound (``screening.py``)."""
+        max_samples = self.screening.max_samples(self.config.batch_size, step)
+        for node, reply in zip(self.nodes, replies):
+            if reply.status != PAYLOAD:
+                self.refuse(node, step, phase, f"it replied {reply.status!r} where its phase {phase} payload was due")
+            try:
+                check_protocol(reply.upload(), step, attempt, phase, self.fingerprint, max_samples)
+            except PayloadError as exc:
+                self.refuse(node, step, phase, str(exc))
+        payloads = [reply.payload.to(self.replica.device) for reply in replies]
+        refused = self.screening.refusals(step, phase, payloads, messages)
+        for index, reason in sorted(refused.items()):
+            self.refuse(self.nodes[index], step, phase, reason)
+        return payloads
+
+    def aggregate(self, step: int, payloads: list[Payload], messages: list[Payload]) -> Payload:
+        """The phase's message, checked as every node will decode it; a message that would
+        fail at a node stops the run, naming the nodes whose uploads break it."""
+        phase, start = payloads[0].phase, self.server_half.state_dict()
+        try:
+            return self.screening.message(self.server_half, payloads, messages)[0]
+        except Exception as exc:
+            failure = f"{type(exc).__name__}: {exc}"
+
+        def fresh_half():
+            half = self.strategy.server(self.replica.layout, self.replica.model)
+            half.load_state_dict(start)
+            return half
+
+        breaking = self.screening.breaking(fresh_half, payloads, messages)
+        if not breaking or len(breaking) == len(payloads):
+            raise FlowerRunError(f"step {step} phase {phase}: the {self.strategy.name} server half failed: {one_line(failure)}")
+        self.refuse([self.nodes[index] for index in breaking], step, phase, f"the upload breaks the aggregated message ({one_line(failure)})")
+
+    def refuse(self, nodes: int | list[int], step: int, phase: int, reason: str) -> NoReturn:
+        """Stop the run for a node's bad reply: over Flower every node must answer every step.
+        ``reason`` is the checks' own text (names a node sent are quoted by them)."""
+        nodes = [nodes] if isinstance(nodes, int) else nodes
+        who = f"node {nodes[0]}" if len(nodes) == 1 else f"nodes {', '.join(map(str, nodes))}"
+        raise FlowerRunError(f"step {step} phase {phase}: {who} refused: {reason}")
+
+    def step_content(self, step: int, attempt: int, with_state: bool) -> Callable[[int], RecordDict]:
         """The ``train.step`` content for the node at each position. With the full state (a
         resync) every node rebuilds its replica and site half: strategy state restarts."""
         state = record_from_tensors(state_payload(self.replica, step).tensors) if with_state else None
@@ -502,6 +707,7 @@ class FlowerCoordinator:
             header = ConfigRecord(
                 {
                     "step": step,
+                    "attempt": attempt,
                     "phase": 0,
                     "num_samples": 0,
                     "settings": self.settings_json,
@@ -517,14 +723,10 @@ class FlowerCoordinator:
 
         return content
 
-    def needs_restart(self, step: int, replies: Sequence[Message], state_sent: bool) -> bool:
+    def needs_restart(self, step: int, replies: Sequence[Reply], state_sent: bool) -> bool:
         """Whether a node lost its state (the step restarts); an error if the state it was
         just sent did not fix it."""
-        lost = [
-            (node, str(reply.content.config_records[HEADER]["status"]))
-            for node, reply in zip(self.nodes, replies)
-            if str(reply.content.config_records[HEADER]["status"]) in (NEED_STATE, LOST)
-        ]
+        lost = [(node, reply.status) for node, reply in zip(self.nodes, replies) if reply.status in (NEED_STATE, LOST)]
         if not lost:
             return False
         if state_sent:
@@ -536,9 +738,10 @@ class FlowerCoordinator:
         return True
 
     def round(
-        self, step: int, phase: int, message_type: str, content_for: Callable[[int], RecordDict]
-    ) -> list[Message]:
-        """Send each node (by position) its message, wait for every reply; replies in node order."""
+        self, step: int, attempt: int, phase: int, message_type: str, content_for: Callable[[int], RecordDict]
+    ) -> list[Reply]:
+        """Send each node (by position) its message, wait for every reply; the replies, read
+        and bounded (:func:`read_reply`), in node order. ``phase``: of the uploads they carry."""
         outgoing = [
             Message(content_for(position), node, message_type, group_id=str(step))
             for position, node in enumerate(self.nodes)
@@ -552,8 +755,15 @@ class FlowerCoordinator:
             )
         for node in self.nodes:
             if replies[node].has_error():
-                raise FlowerRunError(f"step {step} phase {phase}: node {node} failed: {replies[node].error.reason}")
-        return [replies[node] for node in self.nodes]
+                raise FlowerRunError(f"step {step} phase {phase}: node {node} failed: {one_line(str(replies[node].error.reason))}")
+        upload_dtypes = functools.cache(lambda: self.screening.upload_dtypes(step, phase))
+        checked = []
+        for node in self.nodes:
+            try:
+                checked.append(read_reply(replies[node].content, upload_dtypes, MAX_PAYLOAD_BYTES))
+            except Refused as exc:
+                self.refuse(node, step, phase, str(exc))
+        return checked
 
 
 @dataclass

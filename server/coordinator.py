@@ -79,7 +79,6 @@ from pathlib import Path
 from typing import NoReturn
 
 import grpc
-import torch
 from google.protobuf.message import DecodeError
 
 from dadfl.metrics import MetricsWriter, is_eval_step, read_metrics, run_summary
@@ -87,12 +86,11 @@ from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.protos import coordinator_pb2_grpc as cpb_grpc
 from dadfl.protos import tensor_pb2 as pb
 from dadfl.protos.channel import PROTOCOL_VERSION
-from dadfl.protos.codec import PayloadAssembler, WireError, codec_id, encode_payload, roundtrip
+from dadfl.protos.codec import PayloadAssembler, WireError, codec_id, encode_payload
 from dadfl.protos.state import state_payload
 from dadfl.replica import Replica
 from dadfl.sanitize import one_line, printable
 from dadfl.strategies import make_strategy, weights_fingerprint
-from dadfl.strategies.checks import ModelFacts, check_update, influence_outliers
 from dadfl.workloads import load_workload
 
 from . import checkpoint
@@ -104,6 +102,7 @@ from .links import FINISH, GRPC_FRAME_BYTES, Close, Closed, Done, Encoded, SiteL
 from .privacy import ServerPrivacy, split_state
 from .progress import OperatorView
 from .quarantine import Quarantine
+from .screening import Screening
 from .validate import PayloadError, check_protocol
 
 log = logging.getLogger("dadfl.server")
@@ -163,15 +162,9 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         self.label = strategy_label(config.strategy.name, config.strategy.options, config.strategy.label)
         self.replica = Replica(workload, self.strategy, config.optimizer)
         self.layout = self.replica.layout
-        self.facts = ModelFacts.from_model(self.replica.model, self.layout)
-        try:
-            self.strategy.upload_units(self.layout, self.facts, 0, 0, self.replica.model)
-        except NotImplementedError:
-            raise ValueError(
-                f"strategy {config.strategy.name!r} states no upload rules (Strategy.upload_units), so the "
-                "coordinator cannot check what sites send; add them (see strategies/checks.py)"
-            ) from None
         self.codec = codec_id(config.wire.codec)
+        federation = config.federation
+        self.screening = Screening(self.replica, federation.max_influence_ratio, federation.max_update_norm, self.codec)
         self.run_dir = Path(config.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.quarantine = Quarantine(self.run_dir, config.federation.quarantine_after)
@@ -691,40 +684,10 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
 
     async def _screen(self, uploads: list, step: int, phase: int, messages: list) -> list | str:
         """The uploads that pass the strategy's checks and the influence bound (the rest are
-        refused), or why the step must abort when the check itself is broken."""
+        refused), or why the step must abort when the check itself is broken (``screening.py``)."""
         payloads = [u.payload for _, u in uploads]
-        model = self.replica.model
-        federation = self.config.federation
-
-        def rejections() -> dict[int, str]:
-            try:
-                refused = {r.index: r.reason for r in self.strategy.check_uploads(self.layout, self.facts, phase, step, payloads, messages, model)}
-            except Exception as failure:  # the check itself failed on some upload: find which, one by one
-                refused, crashed = {}, 0
-                for index, payload in enumerate(payloads):
-                    try:
-                        for r in self.strategy.check_uploads(self.layout, self.facts, phase, step, [payload], messages, model):
-                            refused[index] = r.reason
-                    except Exception as exc:
-                        refused[index] = f"the {self.strategy.name} check failed on it ({type(exc).__name__}: {exc})"
-                        crashed += 1
-                if crashed == len(payloads):  # on every upload: the check is at fault, not the sites
-                    raise failure
-            measures = {}
-            for index in range(len(payloads)):
-                if index in refused:
-                    continue
-                try:
-                    measures[index] = self.strategy.contribution(self.layout, payloads[index], messages, model)
-                except Exception as exc:
-                    refused[index] = f"its contribution cannot be measured ({type(exc).__name__}: {exc})"
-            good = list(measures)
-            for j, reason in influence_outliers(list(measures.values()), federation.max_influence_ratio, federation.max_update_norm).items():
-                refused[good[j]] = f"contribution out of bounds: {reason}"
-            return refused
-
         try:
-            refused = await self._off_loop(sum(p.nbytes() for p in payloads), rejections)
+            refused = await self._off_loop(sum(p.nbytes() for p in payloads), self.screening.refusals, step, phase, payloads, messages)
         except Exception as exc:
             log.error("the %s upload check fails on every upload: %s: %s", self.strategy.name, type(exc).__name__, exc)
             return f"the {self.strategy.name} upload check failed ({type(exc).__name__})"
@@ -732,18 +695,6 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             link = uploads[index][0]
             self._refuse(link, f"site {link.site_id}, step {step} phase {phase}: {reason}")
         return [upload for index, upload in enumerate(uploads) if index not in refused]
-
-    def _message(self, half, payloads: list, messages: list) -> tuple:
-        """Aggregate, and decode what sites will decode: (message, as sites receive it,
-        update after this phase). Raises when the message would fail at a site."""
-        message = half.aggregate(payloads)
-        sent = roundtrip(message, self.codec)
-        for key, tensor in sent.tensors.items():
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                raise ValueError(f"the aggregated {key!r} is not finite on the wire")
-        update = self.replica.decode([*messages, sent])
-        check_update(self.facts, update)
-        return message, sent, update
 
     def _half_from(self, state: dict):
         """A server half in ``state`` (the phase's start), for trying uploads without touching the real one."""
@@ -759,16 +710,13 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             nbytes = sum(p.nbytes() for p in payloads)
             start = self.server_half.state_dict()
             try:
-                return (uploads, *await self._off_loop(nbytes, self._message, self.server_half, payloads, messages))
+                return (uploads, *await self._off_loop(nbytes, self.screening.message, self.server_half, payloads, messages))
             except Exception as exc:
                 self.server_half.load_state_dict(start)  # as at the phase's start, for the recomputation
                 failure = f"{type(exc).__name__}: {exc}"
             log.warning("step %d phase %d: the aggregated message fails (%s); trying each site's upload alone", step, phase, failure)
-            offenders = [link for link, upload in uploads if not await self._passes(start, [upload.payload], messages)]
-            if not offenders and len(uploads) >= 3:  # fine alone, not together: whose absence mends it?
-                for link, _ in uploads:
-                    if await self._passes(start, [u.payload for other, u in uploads if other is not link], messages):
-                        offenders.append(link)
+            breaking = await self._off_loop(nbytes, self.screening.breaking, lambda: self._half_from(start), payloads, messages)
+            offenders = [uploads[index][0] for index in breaking]
             if not offenders or len(offenders) == len(uploads):
                 return f"the {self.strategy.name} server half failed on phase {phase}: {failure}"
             for link in offenders:
@@ -776,14 +724,6 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             uploads = [(link, upload) for link, upload in uploads if link not in offenders]
             if phase > 0 or len(uploads) < self.config.federation.min_sites:
                 return f"{', '.join(sorted(link.site_id for link in offenders))} broke phase {phase}"
-
-    async def _passes(self, start, payloads: list, messages: list) -> bool:
-        """Whether these uploads alone make a message every site can decode (on a copy of ``start``)."""
-        try:
-            await self._off_loop(sum(p.nbytes() for p in payloads), self._message, self._half_from(start), payloads, messages)
-        except Exception:
-            return False
-        return True
 
     @staticmethod
     async def _off_loop(nbytes: int, function, *args):
@@ -854,7 +794,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         """The most samples an upload of ``step`` may claim: a batch per local step it trains on."""
         if self.privacy:
             return self.privacy.max_samples
-        return self.config.training.batch_size * len(self.strategy.batch_indices(step))
+        return self.screening.max_samples(self.config.training.batch_size, step)
 
     def _abort(self, links: list[SiteLink], step: int, attempt: int, reason: str) -> None:
         log.warning("step %d attempt %d aborted: %s", step, attempt, reason)

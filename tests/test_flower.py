@@ -150,10 +150,10 @@ def test_a_node_with_another_model_is_refused_with_the_fix(tmp_path, task_identi
     with MetricsWriter(tmp_path / "metrics.jsonl") as metrics:
         coordinator = flower.FlowerCoordinator(flower.RunSettings(config, spec), grid, metrics)
         coordinator.nodes = coordinator.wait_for_nodes()
-        content = coordinator.step_content(0, with_state=False)
+        content = coordinator.step_content(0, 0, with_state=False)
         wrong = lambda position: _with_header(content(position), layout="0000")  # noqa: E731
         with pytest.raises(ValueError, match="install the same dadfl version and workload"):
-            coordinator.round(0, 0, flower.STEP_MESSAGE, wrong)
+            coordinator.round(0, 0, 0, flower.STEP_MESSAGE, wrong)
 
 
 def _with_header(content, **fields):
