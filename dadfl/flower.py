@@ -158,7 +158,7 @@ def tensors_from_record(record: ArrayRecord) -> dict[str, torch.Tensor]:
 # The gRPC server's defaults (server/config.py): a Flower run config has no [federation] or [wire].
 FEDERATION = FederationConfig()
 MAX_PAYLOAD_BYTES = WireConfig().max_payload_bytes
-MAX_FIELD_CHARS = 64  # a fingerprint: SHA-256 in hex
+MAX_FIELD_CHARS = 64  # a weights fingerprint (32 hex digits) with room to spare
 MAX_COUNT = 2**31 - 1  # steps, phases, attempts and samples fit the wire header's fields
 
 # The header fields of each reply status, by type (besides "status"); nothing else may be there.
