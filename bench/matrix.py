@@ -169,8 +169,8 @@ FULL: list[WorkloadSetting] = [
     ),
     WorkloadSetting(
         "digits-mlp-wide", "digits-mlp", {"hidden": 1024}, SGD, 200, 10, 32, feed_forward=True, purpose="target",
-        note="1.1M parameters, sized so the compressible matrices dominate", ratio_target=True,
-        **_grid(sites=(4,), partitions=("iid",)),
+        note="1.1M parameters, sized so the compressible matrices dominate", ratio_target=True, local_steps=True,
+        **_grid(sites=(4,)),  # both splits and FedAvg/DiLoCo: the links' seconds to target use them
     ),
     WorkloadSetting(
         "char-transformer-3m", "bench.workloads:char_transformer", TRANSFORMER_3M, ADAM_TRANSFORMER, 100, 10, 32,
