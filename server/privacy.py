@@ -149,9 +149,11 @@ class ServerPrivacy:
         self, layout: Layout, clean_update: dict[str, torch.Tensor], num_samples: int, sites: int, step: int, codec: int,
     ) -> tuple[Payload, Payload, dict[str, torch.Tensor]]:
         """(message, as sites receive it, the update it carries): the noisy dense update
-        replacing the strategy's message; counted on disk as one release before it is returned."""
-        if reason := self.stop_reason():  # a retried step after an aborted release
-            raise RuntimeError(f"no further differentially private release: {reason}")
+        replacing the strategy's message; counted on disk as one release before it is returned.
+
+        The caller asks :meth:`stop_reason` before the sites compute the step (the coordinator
+        does before every attempt), not here: by the time of a release the sites have uploaded,
+        and each upload is already in their own privacy ledgers."""
         message = self.noise.privatize(layout, clean_update, num_samples, float(self.batch_size * sites), step)
         self.count.add_one()
         sent = roundtrip(message, codec)

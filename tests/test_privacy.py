@@ -365,8 +365,6 @@ def test_the_release_count_is_on_disk_before_a_release_and_never_resets(tmp_path
     release(restarted)
     assert restarted.releases == 3 and restarted.summary()["dp_epsilon"] == epsilon(1.0, 0.1, 3, 1e-5)
     assert f"above {epsilon(1.0, 0.1, 3, 1e-5):.4g}" in restarted.stop_reason()  # ε after the planned 3 steps is the ceiling
-    with pytest.raises(RuntimeError, match="no further differentially private release"):
-        release(restarted)
     with pytest.raises(ValueError, match="checkpoint counted 4 .* counts 3"):
         restarted.load_state_dict({RELEASES: torch.tensor(4)})
     restarted.load_state_dict({RELEASES: torch.tensor(2), "dp/noise_generator": torch.zeros(1)})  # an older checkpoint: behind the file

@@ -233,3 +233,31 @@ def test_the_coordinator_stops_before_a_step_would_pass_the_target_epsilon(tmp_p
     assert history[-1]["dp_epsilon"] == summary["dp_epsilon"]
     assert all("finished" in s.finished for s in summaries)  # the sites heard the run end
     assert {s.fingerprint for s in summaries} == {history[-1]["fingerprint"]}
+
+
+def test_a_step_whose_release_was_aborted_at_the_ceiling_is_not_retried(tmp_path, monkeypatch):
+    """The last release the ε ceiling allows goes out, then a site is lost before its done:
+    the coordinator stops before a retry would release again (ServerPrivacy.release does not
+    check: the sites would already have uploaded, and counted, the retry)."""
+    import dadfl.client.site as site_module
+    from dadfl.client.site import GaveUp
+    from dadfl.server.coordinator import RunStopped
+    from network_helpers import ServerThread, SiteThread, server_config, site_config
+    from test_network_dropout import at_phase_message, flaky_session
+
+    steps = 3
+    monkeypatch.setattr(site_module, "Session", flaky_session("site-1", at_phase_message(steps - 1, 0)))
+    config = server_config(
+        tmp_path, strategy={"name": "dsgd"}, training={"steps": steps, "batch_size": 16, "eval_every": steps, "checkpoint_every": 0},
+        federation={"min_sites": 2, "initial_sites": 2, "phase_timeout_s": 20, "quorum_timeout_s": 20},
+        dp={"noise_multiplier": 1.0, "max_grad_norm": 0.5, "max_sample_rate": 0.05},
+    )
+    server = ServerThread(config).start()
+    sites = [SiteThread(site_config(tmp_path, f"site-{i}", server.endpoint, i, 2, connect={"max_attempts": 2})).start() for i in range(2)]
+    with pytest.raises(RunStopped, match=f"step {steps - 1} cannot be retried: one more step would take ε above"):
+        server.join(60)
+    for site in sites:
+        with pytest.raises(GaveUp):
+            site.join(60)
+    assert json.loads((config.run_dir / "dp_releases.json").read_text()) == {"releases": steps}
+    assert [r["step"] for r in read_metrics(config.run_dir / "metrics.jsonl")] == list(range(steps - 1))
