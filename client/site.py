@@ -41,7 +41,7 @@ from dadfl.protos.channel import PROTOCOL_VERSION, channel_options
 from dadfl.protos.codec import PayloadAssembler, codec_id, encode_payload
 from dadfl.protos.state import load_state
 from dadfl.replica import Replica, resolve_device
-from dadfl.sanitize import one_line
+from dadfl.sanitize import REASON_CHARS, one_line
 from dadfl.strategies import Payload, weights_fingerprint
 from dadfl.workloads import Split
 from dadfl.workloads.batches import PoissonBatches
@@ -57,7 +57,6 @@ log = logging.getLogger("dadfl.site")
 
 MAX_CHUNK_BYTES = 4 << 20  # the largest chunk_bytes a server config allows
 INLINE_BYTES = 1 << 20  # models smaller than this step on the event loop: a hop to a thread costs more
-REASON_CHARS = 300  # of a reason the server sends, when logged
 FINISHED_STATUS_S = 2.0  # after `finished`, how long a site waits for the stream's status before cancelling its call
 PERMANENT = {
     grpc.StatusCode.UNAUTHENTICATED,
@@ -179,6 +178,15 @@ class Session:
             message.previous_done.CopyFrom(self.pending_done)
             self.pending_done = None
         self.outgoing.append(message)
+
+    def leave(self, reason: str) -> None:
+        """Replace what the failed handling left to send by the done this site still owes (the
+        step it applied stands: the server commits it rather than abort it) and ``leaving``."""
+        self.outgoing = []
+        if self.pending_done is not None:
+            self.send(step_done=self.pending_done)
+            self.pending_done = None
+        self.send(leaving=cpb.Leaving(reason=reason[:REASON_CHARS]))  # the server escapes it for its log
 
     def handle(self, message: cpb.ServerMessage) -> bool:
         """Act on one server message; True when the run is over."""
@@ -374,7 +382,14 @@ class Site:
                 message = await call.read()
                 if message is grpc.aio.EOF:
                     return False
-                if await self._handle(session, message):
+                try:
+                    finished = await self._handle(session, message)
+                except (grpc.RpcError, StateLost):  # the server ends the stream, or the site rejoins
+                    raise
+                except Exception as exc:  # the site stops: the server hears why now, not at its phase timeout
+                    await self._leave(call, session, exc)
+                    raise
+                if finished:
                     await self._await_status(call)
                     return True
         except asyncio.InvalidStateError:  # a write after the server ended the stream: reading raises its status
@@ -383,11 +398,24 @@ class Site:
         finally:
             call.cancel()
 
+    @classmethod
+    async def _leave(cls, call, session: Session, exc: Exception) -> None:
+        """Tell the server that this site leaves and why: a refusal's own words (they name
+        settings and limits, never data), otherwise only the error's type."""
+        reason = str(exc) if isinstance(exc, RunRefused) else f"the site stopped on {type(exc).__name__}; its log says why"
+        session.leave(reason)
+        try:
+            for outgoing in session.take_outgoing():
+                await call.write(outgoing)
+        except (grpc.RpcError, asyncio.InvalidStateError):
+            return  # the stream is already gone
+        await cls._await_status(call)
+
     @staticmethod
     async def _await_status(call) -> None:
-        """After ``finished``: end this side and read until the server's status (at most
-        FINISHED_STATUS_S) before the call is cancelled. A cancel racing the status the server
-        sends as its handler returns makes gRPC log an error at the server."""
+        """After ``finished`` or ``leaving``: end this side and read until the server's status
+        (at most FINISHED_STATUS_S) before the call is cancelled. A cancel racing the status the
+        server sends as its handler returns makes gRPC log an error at the server."""
         async def until_end() -> None:
             while await call.read() is not grpc.aio.EOF:
                 pass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 ECHO_CHARS = 80
+REASON_CHARS = 300  # of a reason another party gives (a status, a step abort, a site leaving), when logged
 
 
 def printable(text: str, limit: int = ECHO_CHARS) -> str:
@@ -14,7 +15,7 @@ def printable(text: str, limit: int = ECHO_CHARS) -> str:
     return shown
 
 
-def one_line(text: str, limit: int = 300) -> str:
+def one_line(text: str, limit: int = REASON_CHARS) -> str:
     """A message that embeds another party's text, made safe to log or send: every non-printable
     or non-ASCII character escaped (no quotes added), cut to ``limit`` characters."""
     shown = ascii(text[:limit])[1:-1]

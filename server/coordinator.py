@@ -44,7 +44,10 @@ start, so they fetch the server's state again, and they restore their strategy s
 the step's start (a site keeps it until the next message proves the step committed).
 With one round trip, a site lost between two steps is lost before its done: the step
 before aborts rather than the next one going on without it. A site that reconnects
-receives the current state before its next step.
+receives the current state before its next step. A site that stops taking part (its
+privacy budget refuses an upload, it fails) says so: it sends the done it owes, then
+``leaving`` with its reason, which is logged on one bounded line; it is lost at once
+rather than at ``phase_timeout_s``, and a departure is not a refusal.
 
 Refusals (README "Trust"): a site whose upload fails a check, whose contribution is out
 of bounds, or whose upload alone breaks the aggregated message is dropped like a lost
@@ -89,7 +92,7 @@ from dadfl.protos.channel import PROTOCOL_VERSION
 from dadfl.protos.codec import PayloadAssembler, WireError, codec_id, encode_payload
 from dadfl.protos.state import state_payload
 from dadfl.replica import Replica
-from dadfl.sanitize import one_line, printable
+from dadfl.sanitize import REASON_CHARS, one_line, printable
 from dadfl.strategies import make_strategy, weights_fingerprint
 from dadfl.workloads import load_workload
 
@@ -409,6 +412,8 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             got = "end of stream" if message is grpc.aio.EOF else message.WhichOneof("kind") or "an empty message"
             if site_id and message is grpc.aio.EOF:
                 log.warning("site %s closed its stream instead of sending %s (it refused the run config or its data: see its log)", site_id, expected)
+            elif site_id and got == "leaving":  # after its token check: an unknown peer's words are not logged
+                log.warning("site %s leaves instead of sending %s: %s", site_id, expected, one_line(message.leaving.reason, REASON_CHARS))
             await self._end_stream(context, grpc.StatusCode.INVALID_ARGUMENT, f"expected a {expected} message, got {got}")
         if expected != "hello" and message.ByteSize() > MAX_HANDSHAKE_MESSAGE_BYTES:  # a hello: after its site id check
             await self._end_stream(
@@ -430,6 +435,10 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                 if kind == "chunk" and message.chunk.HasField("header"):
                     ahead = message.chunk.header.step > self.step  # an upload that began the next step by itself
                 link.count_up(wire_size(message), ahead and kind == "chunk")
+                if kind == "leaving":  # a departure, not a refusal: dropped at once, not quarantined
+                    log.warning("site %s leaves the run: %s", link.site_id, one_line(message.leaving.reason, REASON_CHARS))
+                    link.gone("it left the run")
+                    break
                 if not link.admitted:
                     link.close(
                         grpc.StatusCode.INVALID_ARGUMENT,

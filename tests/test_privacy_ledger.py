@@ -4,12 +4,22 @@ and with privacy.max_epsilon a second run that would pass the budget is refused 
 from __future__ import annotations
 
 import json
+import logging
+import queue
+import time
 
+import grpc
 import pytest
 
+from dadfl.client.data import site_dataset
 from dadfl.client.privacy_ledger import LEDGER_FILE, BudgetSpent, PrivacyLedger, composed_epsilon
 from dadfl.client.run_checks import RunRefused
-from dadfl.privacy import epsilon
+from dadfl.privacy import epsilon, site_sample_rate
+from dadfl.protos import coordinator_pb2 as cpb
+from dadfl.protos import coordinator_pb2_grpc as cpb_grpc
+from dadfl.protos.channel import PROTOCOL_VERSION
+from dadfl.server.enrol import enroll
+from dadfl.workloads import load_workload
 from network_helpers import ServerThread, SiteThread, server_config, site_config
 
 pytest.importorskip("opacus")
@@ -179,3 +189,63 @@ def test_an_upload_past_the_budget_is_refused_by_the_site_and_not_sent(tmp_path)
     bounded.close()
     with pytest.raises(BudgetSpent, match="was closed"):
         kept.releases.charge()
+
+
+def run_id_of(endpoint: str, tokens, caplog) -> str:
+    """The coordinator's run id, as an enrolled site hears it in the run config; the probe
+    then leaves instead of sending its ready, and the coordinator logs why."""
+    token = enroll(tokens, "probe", replace=True)
+    outgoing: queue.Queue = queue.Queue()
+    with grpc.insecure_channel(endpoint) as channel:
+        responses = cpb_grpc.CoordinatorStub(channel).Join(iter(outgoing.get, None))
+        outgoing.put(cpb.SiteMessage(hello=cpb.Hello(site_id="probe", token=token, protocol_version=PROTOCOL_VERSION)))
+        run_id = next(responses).config.run_id
+        outgoing.put(cpb.SiteMessage(leaving=cpb.Leaving(reason="only asked for the run id\nforged log line")))
+        outgoing.put(None)
+        assert next(responses).WhichOneof("kind") == "closing"
+    assert "site probe leaves instead of sending ready: only asked for the run id\\nforged log line" in caplog.text
+    return run_id
+
+
+def test_a_site_whose_budget_refuses_an_upload_mid_run_says_why_and_the_step_goes_on(tmp_path, caplog):
+    """site-0's ledger already counts three uploads of this run (a restarted coordinator
+    replayed them); its budget admits the run's six planned steps, so it refuses its fourth
+    upload here. It sends the done of the step it applied and leaves with its reason: the
+    coordinator logs it and goes on with the other two at once (no abort, no wait for
+    phase_timeout_s, no quarantine: a departure is not a refusal)."""
+    caplog.set_level(logging.INFO)
+    steps, phase_timeout_s, state_dir = 6, 60, tmp_path / "site-state"
+
+    def site(i: int, endpoint: str, **privacy):
+        return site_config(tmp_path, f"site-{i}", endpoint, i, 3, state_dir=str(state_dir / str(i)), privacy=privacy)
+
+    rate = site_sample_rate(16, len(site_dataset(site(0, "h:1"), load_workload("digits-mlp", hidden=16))[0]))
+    config = server_config(  # the run's rate is site-0's own: its floor is met exactly by the planned steps
+        tmp_path, strategy={"name": "dsgd"}, training={"steps": steps, "batch_size": 16, "eval_every": steps, "checkpoint_every": 0},
+        federation={"min_sites": 2, "initial_sites": 3, "phase_timeout_s": phase_timeout_s, "quorum_timeout_s": 30, "linger_s": 1},
+        dp={"noise_multiplier": 1.0, "max_grad_norm": 0.5, "max_sample_rate": rate},
+    )
+    server = ServerThread(config).start()
+    run_id = run_id_of(server.endpoint, config.listen.tokens, caplog)
+    replayed = PrivacyLedger.of_site(state_dir / "0", "site-0")
+    for _ in range(3):
+        replayed.charge(run_id, 1.0, rate)
+    replayed.close()
+    limit = epsilon(1.0, rate, steps, 1e-5) * (1 + 1e-9)
+    started = time.monotonic()
+    sites = [SiteThread(site(0, server.endpoint, require_dp=True, max_epsilon=limit, max_delta=1e-5)).start()]
+    sites += [SiteThread(site(i, server.endpoint)).start() for i in (1, 2)]
+    with pytest.raises(RunRefused, match="one more step would take this site's records to ε .* above privacy.max_epsilon"):
+        sites[0].join(60)
+    summaries = [site.join(60) for site in sites[1:]]
+    server.join(60)
+    assert time.monotonic() - started < phase_timeout_s / 2
+
+    records = [json.loads(line) for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["site_ids"] for r in records] == [["site-0", "site-1", "site-2"]] * 3 + [["site-1", "site-2"]] * 3
+    assert all(r["attempt"] == 0 for r in records) and "aborted" not in caplog.text
+    assert "site site-0 leaves the run: one more step would take this site's records to" in caplog.text
+    assert not (config.run_dir / "quarantine.json").exists() and "closing site site-0" not in caplog.text
+    assert {s.fingerprint for s in summaries} == {records[-1]["fingerprint"]}
+    [entry] = json.loads((state_dir / "0" / "site-0" / LEDGER_FILE).read_text())["entries"]
+    assert entry["steps"] == steps, "the refused upload was not counted"

@@ -117,7 +117,7 @@ def test_a_site_process_below_its_floor_refuses_before_importing_the_workload(tm
     assert result.returncode == 2, result.stderr
     [line] = error_lines(result.stderr)
     assert "σ = 0.5 is below privacy.min_noise_multiplier = 0.8" in line and "Traceback" not in result.stderr
-    assert not marker.exists() and coordinator.received == ["hello"]
+    assert not marker.exists() and coordinator.received == ["hello", "leaving"]
 
 
 def test_a_privacy_floor_without_require_dp_is_refused_in_the_site_config():

@@ -131,7 +131,7 @@ def test_a_workload_the_site_does_not_allow_is_refused_before_any_import(tmp_pat
     [line] = error_lines(result.stderr)
     assert repr(workload) in line and "allowed_workloads" in line and str(tmp_path / "site.toml") in line
     assert not marker.exists(), "the module was imported (or the command ran) although the site refused it"
-    assert coordinator.received == ["hello"], "the site must not answer ready to a run it refuses"
+    assert coordinator.received == ["hello", "leaving"], "the site must not answer ready to a run it refuses, only say it leaves"
     assert "Traceback" not in result.stderr
 
 
