@@ -99,7 +99,7 @@ from dadfl.workloads import load_workload
 from . import checkpoint
 from .config import ServerConfig
 from .certs import check_client_certificate
-from .enrol import SITE_ID_PATTERN, SITE_ID_RULE, Enrolment, EnrolmentError, read_enrolment, token_hash, verify
+from .enrol import SITE_ID_PATTERN, SITE_ID_RULE, Enrolment, EnrolmentError, token_hash, verify
 from .evaluation import EvalRejected, SiteEval, check_report, combine
 from .links import FINISH, GRPC_FRAME_BYTES, Close, Closed, Done, Encoded, SiteLink, SyncRequest, Upload
 from .privacy import ServerPrivacy, split_state
@@ -345,7 +345,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                 f"hello message of {first.ByteSize()} bytes; at most {MAX_HANDSHAKE_MESSAGE_BYTES} (a token `dadfl enroll` issues has 43 characters)",
             )
         try:
-            enrolled = read_enrolment(Path(self.config.listen.tokens))  # once per join: both checks see the same file
+            enrolled = await self.enrolment.for_join()  # both checks see the same reading
             verify(enrolled, hello.site_id, hello.token)
             check_client_certificate(context, enrolled, hello.site_id, self.config.listen.require_client_cert)
         except EnrolmentError as exc:
@@ -447,7 +447,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                     )
                     break
                 if kind != "chunk" or message.chunk.HasField("header"):  # once per payload, not per chunk
-                    if revoked := self.enrolment.revocation(link.site_id, link.token_hash):
+                    if revoked := await self.enrolment.revocation(link.site_id, link.token_hash):
                         link.close(grpc.StatusCode.PERMISSION_DENIED, revoked)
                         break
                 if message.HasField("previous_done"):  # a site that began the next step by itself
@@ -559,7 +559,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         enrolled site. A site that joins meanwhile gets the final state and ``finished``
         and stops; handshakes under way are waited for. Then the server stops listening.
         """
-        expected = set(self.enrolment.site_ids()) if finished_at_start else self.known_sites
+        expected = set(await self.enrolment.site_ids()) if finished_at_start else self.known_sites
         deadline = time.monotonic() + self.config.federation.linger_s
         while ((missing := expected - self.told_finished) or self.handshakes) and (remaining := deadline - time.monotonic()) > 0:
             self.changed.clear()

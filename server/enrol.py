@@ -7,15 +7,18 @@ The token file is JSON, rewritten atomically::
 
 ``cert_serial`` is present when ``dadfl enroll --cert`` issued the site a certificate.
 Tokens are 256 random bits, so a plain SHA-256 is a safe hash (no dictionary to attack);
-comparison is constant-time. The server reads the file once at every join (both the
-token and the certificate are checked against that one reading), so a site enrolled
-while the server runs can join at once, and a revoked one cannot; a revoked site that
-is connected is dropped at its next upload (:class:`Enrolment`). Any peer can cause a
-join, so the file is read only up to ``MAX_TOKENS_FILE_BYTES``.
+comparison is constant-time. The running server checks every join against the file as it
+is at that moment (both the token and the certificate against one reading), so a site
+enrolled while the server runs can join at once, and a revoked one cannot; a revoked site
+that is connected is dropped at its next upload. It reads the file again only when it
+changed, in a worker thread (:class:`Enrolment`): any peer can cause a join, and admitting
+N sites must not parse the file N times on the event loop. The file is read only up to
+``MAX_TOKENS_FILE_BYTES``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
@@ -182,40 +185,71 @@ def verify_certificate(enrolled: Enrolled, site_id: str, serial: int) -> None:
 
 
 class Enrolment:
-    """The token file as the running coordinator sees it, reread only when it changes.
+    """The token file as the running coordinator sees it, read again only when it changed.
 
-    :meth:`revocation` tells whether a connected site's enrolment still stands: a site
-    revoked (or re-enrolled with a new token) while connected is dropped at its next upload.
-    A file that goes missing or becomes unreadable keeps the last good view (joins report the error).
+    A version of the file is its (inode, modification time, size): ``write_tokens`` replaces
+    the file, so a new version has a new inode even when it has the old one's size and lands
+    in the same clock tick; an edit in place changes the time or the size. Checking costs one
+    ``stat``; a new version is read in a worker thread, once however many joins and uploads
+    wait for it. :meth:`for_join` is what a join is checked against (no file: no site is
+    enrolled; a file that does not read refuses joins until it is fixed). :meth:`revocation`
+    tells whether a connected site's enrolment still stands: a site revoked (or re-enrolled
+    with a new token) while connected is dropped at its next upload; a file that goes missing
+    or stops reading keeps the last good reading for those.
     """
 
     def __init__(self, path: Path):
         self.path = path
-        self._stamp: tuple[int, int, int] | None = None
-        self._sites: dict[str, dict] = {}
+        self._version: tuple[int, int, int] | None = None  # of the file last read
+        self._good = Enrolled({}, [])  # the last reading that succeeded
+        self._failure: str | None = None  # why the file at _version does not read
+        self._reading = asyncio.Lock()
 
-    def sites(self) -> dict[str, dict]:
+    def _current_version(self) -> tuple[int, int, int] | None:
         try:
             stat = self.path.stat()
         except FileNotFoundError:
-            return self._sites
-        # write_tokens replaces the file, so a new version has a new inode even when it has
-        # the old one's size and lands in the same clock tick.
-        stamp = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
-        if stamp != self._stamp:
-            try:
-                self._sites = read_tokens(self.path)
-                self._stamp = stamp
-            except ValueError:
-                pass
-        return self._sites
+            return None
+        except OSError as exc:
+            raise ValueError(f"{self.path}: cannot read the token file ({type(exc).__name__}); it must be a file the server may read") from None
+        return (stat.st_ino, stat.st_mtime_ns, stat.st_size)
 
-    def site_ids(self) -> list[str]:
-        return list(self.sites())
+    async def _refresh(self) -> bool:
+        """Read the file again if it changed since the last reading; False when there is none."""
+        version = self._current_version()
+        if version is not None and version != self._version:
+            async with self._reading:
+                version = self._current_version()  # another caller may have read it meanwhile
+                if version is not None and version != self._version:
+                    try:
+                        self._good, self._failure = await asyncio.to_thread(read_enrolment, self.path), None
+                    except ValueError as exc:
+                        self._failure = str(exc)
+                    self._version = version
+        return version is not None
 
-    def revocation(self, site_id: str, joined_with: str) -> str | None:
+    async def for_join(self) -> Enrolled:
+        """The reading a join is checked against; ValueError when the file does not read."""
+        if not await self._refresh():
+            return Enrolled({}, [])
+        if self._failure is not None:
+            raise ValueError(self._failure)
+        return self._good
+
+    async def site_ids(self) -> list[str]:
+        try:
+            await self._refresh()
+        except ValueError:
+            pass  # the last good reading
+        return list(self._good.sites)
+
+    async def revocation(self, site_id: str, joined_with: str) -> str | None:
         """Why ``site_id``, which joined with token hash ``joined_with``, may no longer take part."""
-        entry = self.sites().get(site_id)
+        try:
+            await self._refresh()
+        except ValueError:
+            pass  # the last good reading
+        entry = self._good.sites.get(site_id)
         if entry is None:
             return f"site {site_id!r} was revoked on the server (`dadfl enroll --revoke`)"
         if not hmac.compare_digest(str(entry.get("sha256", "")), joined_with):

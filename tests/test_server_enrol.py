@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import secrets
+import threading
 import tomllib
 
+import grpc
 import pytest
 from typer.testing import CliRunner
 
+import dadfl.server.enrol as enrol_module
 from dadfl.cli import app
 from dadfl.client.config import SiteConfig
 from dadfl.client.site import SiteRefused, run_site
-from dadfl.server.enrol import MAX_TOKENS_FILE_BYTES, Enrolment, EnrolmentError, enroll, read_enrolment, verify
+from dadfl.protos import coordinator_pb2 as cpb
+from dadfl.protos import coordinator_pb2_grpc as cpb_grpc
+from dadfl.protos.channel import PROTOCOL_VERSION
+from dadfl.server.coordinator import RunStopped
+from dadfl.server.enrol import MAX_TOKENS_FILE_BYTES, Enrolment, EnrolmentError, enroll, read_enrolment, token_hash, verify
 from network_helpers import ServerThread, SiteThread, server_config, site_config
 
 
@@ -99,10 +108,53 @@ def test_a_running_coordinator_sees_a_re_enrolment_of_the_same_size_in_the_same_
     path = tmp_path / "tokens.json"
     enroll(path, "hospital-a")
     enrolment = Enrolment(path)
-    joined_with = enrolment.sites()["hospital-a"]["sha256"]
-    assert enrolment.revocation("hospital-a", joined_with) is None
+    joined_with = asyncio.run(enrolment.for_join()).sites["hospital-a"]["sha256"]
+    assert asyncio.run(enrolment.revocation("hospital-a", joined_with)) is None
     before = path.stat()
     enroll(path, "hospital-a", replace=True)
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
     assert path.stat().st_size == before.st_size and path.stat().st_mtime_ns == before.st_mtime_ns
-    assert "enrolled again" in enrolment.revocation("hospital-a", joined_with)
+    assert "enrolled again" in asyncio.run(enrolment.revocation("hospital-a", joined_with))
+
+
+def first_answer(endpoint: str, site_id: str, token: str) -> cpb.ServerMessage:
+    """What the coordinator answers a hello: the run config, or ``closing`` with the refusal."""
+    hello = cpb.SiteMessage(hello=cpb.Hello(site_id=site_id, token=token, protocol_version=PROTOCOL_VERSION))
+    with grpc.insecure_channel(endpoint) as channel:
+        return next(cpb_grpc.CoordinatorStub(channel).Join(iter([hello])))
+
+
+def test_joins_share_one_reading_of_the_token_file_until_an_edit_which_the_next_join_sees(tmp_path, monkeypatch):
+    """Admitting N sites reads the token file once, in a worker thread (not on the event loop
+    every stream shares); an edit in place (same inode) takes effect at the next join."""
+    config = server_config(tmp_path, federation={"min_sites": 1, "quorum_timeout_s": 6})
+    path = config.listen.tokens
+    old_token = enroll(path, "hospital-a")
+    server = ServerThread(config).start()
+    readers = []
+
+    def read_enrolment_counted(file):
+        readers.append(threading.current_thread())
+        return read_enrolment(file)
+
+    monkeypatch.setattr(enrol_module, "read_enrolment", read_enrolment_counted)
+    for _ in range(4):
+        assert first_answer(server.endpoint, "hospital-a", old_token).WhichOneof("kind") == "config"
+    assert len(readers) == 1 and server._thread not in readers
+
+    new_token, b_token = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
+    tokens = json.loads(path.read_text())
+    tokens["sites"]["hospital-a"]["sha256"] = token_hash(new_token)
+    tokens["sites"]["hospital-b"] = {"sha256": token_hash(b_token)}
+    inode = path.stat().st_ino
+    with path.open("r+") as file:  # edited where it is, as an operator's editor may
+        file.write(json.dumps(tokens))
+        file.truncate()
+    assert path.stat().st_ino == inode
+    refused = first_answer(server.endpoint, "hospital-a", old_token)
+    assert refused.WhichOneof("kind") == "closing" and "wrong token for site 'hospital-a'" in refused.closing.reason
+    assert first_answer(server.endpoint, "hospital-a", new_token).WhichOneof("kind") == "config"
+    assert first_answer(server.endpoint, "hospital-b", b_token).WhichOneof("kind") == "config"
+    assert len(readers) == 2 and server._thread not in readers
+    with pytest.raises(RunStopped, match="only 0 of the 1 sites needed"):
+        server.join(30)
