@@ -17,8 +17,9 @@ bad token, wrong layout) end the site with the reason.
 
 The client is asyncio (``grpc.aio``): one coroutine reads the stream, handles each message
 and writes what the handling produced, with no thread between them; many sites can run
-in one process (``run_site_async``). Work on a model of ``INLINE_BYTES`` or more (and the
-replica's build) runs in a worker thread, so a large step does not stall other streams.
+in one process (``run_site_async``). Work on a model of ``INLINE_BYTES`` or more, a [dp]
+run's steps (each upload's privacy ledger is written and fsync'd first) and the replica's
+build run in a worker thread, so they do not stall other streams.
 """
 
 from __future__ import annotations
@@ -117,6 +118,12 @@ class Run:
     releases: RunReleases | None = None  # [dp]: Poisson batches, clipped samples, each upload in the ledger
     large: bool = False  # a model of INLINE_BYTES or more: its steps run in a worker thread
     checkpoint_step: int = 0  # the server's checkpoint step as the last step begin named it
+
+    @property
+    def off_loop(self) -> bool:
+        """Whether its messages are handled in a worker thread: a large model's steps, or [dp]'s
+        ledger write and fsync before every upload, would stall every stream on the event loop."""
+        return self.large or self.releases is not None
 
     def prepare_half(self, begin: cpb.StepBegin) -> None:
         """Bring the strategy half to the start of ``begin.step``: reset, restore or keep."""
@@ -427,9 +434,9 @@ class Site:
             pass  # the run has finished either way
 
     async def _handle(self, session: Session, message: cpb.ServerMessage) -> bool:
-        """``session.handle``, in a worker thread for the replica's build and a large model's steps."""
+        """``session.handle``, in a worker thread for the replica's build and the steps of a run that is ``off_loop``."""
         kind = message.WhichOneof("kind")
-        if kind == "config" or (self.run is not None and self.run.large and kind in ("chunk", "step_begin")):
+        if kind == "config" or (self.run is not None and self.run.off_loop and kind in ("chunk", "step_begin")):
             return await asyncio.to_thread(session.handle, message)
         return session.handle(message)
 

@@ -3,6 +3,7 @@ and with privacy.max_epsilon a second run that would pass the budget is refused 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import queue
@@ -12,7 +13,7 @@ import grpc
 import pytest
 
 from dadfl.client.data import site_dataset
-from dadfl.client.privacy_ledger import LEDGER_FILE, BudgetSpent, PrivacyLedger, composed_epsilon
+from dadfl.client.privacy_ledger import LEDGER_FILE, BudgetSpent, LedgerEntry, LedgerFile, PrivacyLedger, composed_epsilon, rdp_epsilon
 from dadfl.client.run_checks import RunRefused
 from dadfl.privacy import epsilon, site_sample_rate
 from dadfl.protos import coordinator_pb2 as cpb
@@ -76,6 +77,31 @@ def test_a_ledger_that_cannot_be_written_refuses_the_upload_and_counts_nothing(t
         ledger.charge("run1", 1.0, 0.05)
     assert ledger.steps == {("run1", 1.0, 0.05): 1}
     ledger.close()
+
+
+def test_the_running_rdp_of_a_long_ledger_gives_the_accountants_epsilon_and_refuses_exactly_past_the_budget(tmp_path):
+    """The ledger keeps the RDP sum as it counts (from the entries once, then one step's curve
+    per upload): after 200 earlier runs and 30 uploads its ε is Opacus's RDPAccountant's over
+    the same history, and the budget lets exactly those 30 uploads through."""
+    from opacus.accountants import RDPAccountant
+
+    path = tmp_path / "site-a" / LEDGER_FILE
+    path.parent.mkdir()
+    earlier = [LedgerEntry(run_id=f"run{i}", noise_multiplier=1.0 + i / 100, sample_rate=0.01 + i / 10_000, steps=3) for i in range(200)]
+    path.write_text(LedgerFile(version=1, site_id="site-a", entries=earlier).model_dump_json())
+    accountant = RDPAccountant()
+    accountant.history = [(e.noise_multiplier, e.sample_rate, e.steps) for e in earlier] + [(1.3, 0.02, 30)]
+    limit = accountant.get_epsilon(1e-5) * (1 + 1e-9)
+    ledger = PrivacyLedger.of_site(tmp_path, "site-a", budget=(limit, 1e-5))
+    for _ in range(30):
+        ledger.charge("now", 1.3, 0.02)
+    assert rdp_epsilon(ledger.rdp, 1e-5) == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-12)
+    with pytest.raises(BudgetSpent, match="one more step would take this site's records to ε"):
+        ledger.charge("now", 1.3, 0.02)
+    ledger.close()
+    reread = PrivacyLedger.of_site(tmp_path, "site-a")
+    assert reread.steps[("now", 1.3, 0.02)] == 30 and len(reread.steps) == 201
+    reread.close()
 
 
 @pytest.mark.parametrize("content, message", [
@@ -207,12 +233,13 @@ def run_id_of(endpoint: str, tokens, caplog) -> str:
     return run_id
 
 
-def test_a_site_whose_budget_refuses_an_upload_mid_run_says_why_and_the_step_goes_on(tmp_path, caplog):
+def test_a_site_whose_budget_refuses_an_upload_mid_run_says_why_and_the_step_goes_on(tmp_path, caplog, monkeypatch):
     """site-0's ledger already counts three uploads of this run (a restarted coordinator
     replayed them); its budget admits the run's six planned steps, so it refuses its fourth
     upload here. It sends the done of the step it applied and leaves with its reason: the
     coordinator logs it and goes on with the other two at once (no abort, no wait for
-    phase_timeout_s, no quarantine: a departure is not a refusal)."""
+    phase_timeout_s, no quarantine: a departure is not a refusal). Every site writes its
+    ledger (and fsyncs it) off the event loop its stream runs on."""
     caplog.set_level(logging.INFO)
     steps, phase_timeout_s, state_dir = 6, 60, tmp_path / "site-state"
 
@@ -231,6 +258,17 @@ def test_a_site_whose_budget_refuses_an_upload_mid_run_says_why_and_the_step_goe
     for _ in range(3):
         replayed.charge(run_id, 1.0, rate)
     replayed.close()
+    on_loop = []
+    write = PrivacyLedger._write
+
+    def write_where(ledger, counted):
+        try:
+            on_loop.append(asyncio.get_running_loop() is not None)
+        except RuntimeError:  # no event loop runs in this thread
+            on_loop.append(False)
+        write(ledger, counted)
+
+    monkeypatch.setattr(PrivacyLedger, "_write", write_where)
     limit = epsilon(1.0, rate, steps, 1e-5) * (1 + 1e-9)
     started = time.monotonic()
     sites = [SiteThread(site(0, server.endpoint, require_dp=True, max_epsilon=limit, max_delta=1e-5)).start()]
@@ -249,3 +287,4 @@ def test_a_site_whose_budget_refuses_an_upload_mid_run_says_why_and_the_step_goe
     assert {s.fingerprint for s in summaries} == {records[-1]["fingerprint"]}
     [entry] = json.loads((state_dir / "0" / "site-0" / LEDGER_FILE).read_text())["entries"]
     assert entry["steps"] == steps, "the refused upload was not counted"
+    assert len(on_loop) == 3 + 2 * steps and not any(on_loop)
