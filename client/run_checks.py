@@ -17,7 +17,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 from pydantic import ValidationError
@@ -31,7 +31,7 @@ from dadfl.sanitize import printable
 from dadfl.strategies import STRATEGIES, Strategy, make_strategy
 from dadfl.workloads import BUILTIN, Workload, load_workload
 
-from .config import WORKLOAD_SPEC, PrivacyPolicy, RunLimits, SiteConfig
+from .config import WORKLOAD_SPEC, PrivacyPolicy, RunLimits
 
 MAX_OPTIONS_CHARS = 64 << 10  # one JSON field of the run config
 MAX_OPTIONS_DEPTH = 4  # nesting of option values (a JSON bomb nests thousands deep)
@@ -43,6 +43,14 @@ FINGERPRINT = r"^[0-9a-f]{1,128}$"
 
 class RunRefused(RuntimeError):
     """The coordinator's run config asks for something this site does not run or allow."""
+
+
+class RunPolicy(Protocol):
+    """What the checks read of a site's rules: a gRPC site's ``SiteConfig``, a Flower node's ``NodePolicy``."""
+
+    allowed_workloads: list[str]
+    limits: RunLimits
+    privacy: PrivacyPolicy
 
 
 @dataclass(frozen=True)
@@ -67,7 +75,7 @@ def workload_allowed(spec: str, allowed: list[str]) -> bool:
     return any(entry.endswith(".") and f"{module}.".startswith(entry) for entry in allowed)
 
 
-def check_run_config(config: cpb.RunConfig, site: SiteConfig, max_chunk_bytes: int) -> CheckedRun:
+def check_run_config(config: cpb.RunConfig, site: RunPolicy, max_chunk_bytes: int) -> CheckedRun:
     """Every field of the coordinator's run config checked against this site's config; no import of
     workload code happens here. Raises :class:`RunRefused` naming the field and what would allow it."""
     limits = site.limits

@@ -71,6 +71,7 @@ import logging
 import math
 import os
 import pickle
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,8 +90,9 @@ from flwr.serverapp import Grid, ServerApp  # noqa: E402
 
 from dadfl.protos import tensor_pb2 as pb
 from dadfl.protos.codec import DTYPES, MAX_DIMS, Assembled
-from dadfl.protos.state import load_state, state_payload
-from dadfl.sanitize import one_line
+from dadfl.client.run_checks import RunRefused
+from dadfl.protos.state import MODEL_PREFIX, OPTIM_PREFIX, load_state, state_payload
+from dadfl.sanitize import one_line, printable
 from dadfl.server.config import FederationConfig, WireConfig
 from dadfl.server.screening import Screening
 from dadfl.server.validate import PayloadError, check_protocol
@@ -99,6 +101,7 @@ from dadfl.strategies.checks import quote
 from dadfl.workloads import Split, StepBatches, Workload, load_workload, partition, site_batches
 
 from .config import load_config, validate_config
+from .flower_policy import MAX_SETTINGS_CHARS, NodePolicy, check_settings, node_workload
 from .metrics import MetricsWriter, is_eval_step, run_summary
 from .replica import Replica, resolve_device
 from .simulation import Progress, SimulationConfig, StrategySpec, run_directory
@@ -117,6 +120,7 @@ PAYLOAD = "payload"  # TENSORS holds the next phase's payload
 DONE = "done"  # the node applied the update; the header holds its fingerprint
 NEED_STATE = "need_state"  # the node's weights are missing or differ from the server's
 LOST = "lost"  # the node lost the step under way (state gone mid-step)
+REFUSED = "refused"  # the node does not run what the server's message asks (the header says why)
 
 # Node-local records in context.state (never leave the node)
 NODE_INFO = "dadfl.node"
@@ -149,16 +153,20 @@ def record_from_tensors(tensors: dict[str, torch.Tensor]) -> ArrayRecord:
 
 
 def tensors_from_record(record: ArrayRecord) -> dict[str, torch.Tensor]:
+    """Tensors of a record this node wrote itself (``context.state``); bytes from the other side
+    are read bounded (:func:`read_tensors`)."""
     # np.load from bytes gives read-only arrays; torch wants writable memory.
     return {key: torch.from_numpy(np.array(array.numpy(), copy=True)) for key, array in record.items()}
 
 
-# ----------------------------------------------------------------------------- what a node may reply
+# ----------------------------------------------------------------------------- reading the other side
 
 # The gRPC server's defaults (server/config.py): a Flower run config has no [federation] or [wire].
 FEDERATION = FederationConfig()
 MAX_PAYLOAD_BYTES = WireConfig().max_payload_bytes
 MAX_FIELD_CHARS = 64  # a weights fingerprint (32 hex digits) with room to spare
+MAX_REASON_CHARS = 400  # a node's refusal: one line, as the checks write it
+FIELD_CHARS = {"settings": MAX_SETTINGS_CHARS, "reason": MAX_REASON_CHARS}  # text fields longer than MAX_FIELD_CHARS
 MAX_COUNT = 2**31 - 1  # steps, phases, attempts and samples fit the wire header's fields
 
 # The header fields of each reply status, by type (besides "status"); nothing else may be there.
@@ -167,12 +175,22 @@ REPLY_FIELDS: dict[str, dict[str, type]] = {
     DONE: {"step": int, "fingerprint": str},
     NEED_STATE: {"fingerprint": str},
     LOST: {"step": int, "phase": int},
+    REFUSED: {"reason": str},
 }
+# The header fields of the server's messages.
+STEP_FIELDS = {
+    "step": int, "attempt": int, "phase": int, "num_samples": int, "settings": str, "partition_index": int, "fingerprint": str, "layout": str,
+}
+PHASE_FIELDS = {"step": int, "phase": int, "num_samples": int, "attempt": int}
 NUMPY_DTYPES = {np.dtype(torch.empty(0, dtype=d).numpy().dtype): d for d in DTYPES if d != torch.bfloat16}
+ANY_DTYPE = frozenset(NUMPY_DTYPES.values())
+FLOAT_DTYPES = frozenset(d for d in ANY_DTYPE if d.is_floating_point)
+NODE_PAYLOAD_LIMIT = "limits.max_payload_bytes in the node config"
 
 
 class Refused(ValueError):
-    """A node's reply the server does not accept; the text says what was wrong, never its values."""
+    """A message from the other side that this side does not accept; the text says what was
+    wrong, never its values."""
 
 
 @dataclass(frozen=True)
@@ -200,22 +218,13 @@ def read_reply(content: RecordDict, upload_dtypes: Callable[[], dict[str, set[to
     (None: the phase takes no upload) with one of its dtypes, ``max_bytes`` in all, each
     ``.npy`` header accounting exactly for its bytes.
     """
-    extra = sorted(set(content) - {HEADER, TENSORS})
-    if extra:
-        raise Refused(f"unexpected record {quote(extra[0])}")
-    header = content.config_records.get(HEADER)
-    if header is None:
-        raise Refused(f"no {HEADER!r} config record")
+    header, arrays = read_records(content, TENSORS)
     status = header.get("status")
     if not isinstance(status, str) or status not in REPLY_FIELDS:
         shown = quote(status) if isinstance(status, str) else f"of type {type(status).__name__}"
         raise Refused(f"unknown status {shown}; expected one of {', '.join(REPLY_FIELDS)}")
-    wanted = REPLY_FIELDS[status]
-    unknown = sorted(set(header) - set(wanted) - {"status"})
-    if unknown:
-        raise Refused(f"unexpected header field {quote(unknown[0])} in a {status!r} reply")
-    fields = {name: _field(header, name, kind) for name, kind in wanted.items()}
-    arrays = content.array_records.get(TENSORS)
+    fields = read_fields(header, {"status": str, **REPLY_FIELDS[status]}, f" in a {status!r} reply")
+    del fields["status"]
     if status != PAYLOAD:
         if arrays is not None:
             raise Refused(f"a {status!r} reply carries tensors")
@@ -223,15 +232,44 @@ def read_reply(content: RecordDict, upload_dtypes: Callable[[], dict[str, set[to
     allowed = upload_dtypes()
     if allowed is None:
         raise Refused(f"phase {fields['phase']} takes no upload")
+    tensors = read_tensors(arrays, allowed.get, max_bytes, "the gRPC runtime's max_payload_bytes")
+    return Reply(status, fields, Payload(fields["step"], fields["phase"], fields["num_samples"], tensors))
+
+
+def read_records(content: RecordDict, tensors: str) -> tuple[ConfigRecord, ArrayRecord | None]:
+    """The ``HEADER`` config record and the array record ``tensors`` (None when absent); any
+    other record, or one of these of another kind, is refused."""
+    expected = {HEADER} | ({tensors} & set(content.array_records))
+    extra = sorted(set(content) - expected)
+    if extra:
+        raise Refused(f"unexpected record {quote(extra[0])}")
+    header = content.config_records.get(HEADER)
+    if header is None:
+        raise Refused(f"no {HEADER!r} config record")
+    return header, content.array_records.get(tensors)
+
+
+def read_fields(header: ConfigRecord, wanted: dict[str, type], where: str = "") -> dict[str, Any]:
+    """Exactly the ``wanted`` header fields, each of its type and within its bound."""
+    unknown = sorted(set(header) - set(wanted))
+    if unknown:
+        raise Refused(f"unexpected header field {quote(unknown[0])}{where}")
+    return {name: _field(header, name, kind) for name, kind in wanted.items()}
+
+
+def read_tensors(
+    arrays: ArrayRecord | None, dtypes_of: Callable[[str], set[torch.dtype] | None], max_bytes: int, limit: str
+) -> dict[str, torch.Tensor]:
+    """The record's tensors: keys ``dtypes_of`` knows (None: not expected), with one of its
+    dtypes, at most ``max_bytes`` in all (``limit`` names that setting), each decoded bounded."""
     arrays = arrays if arrays is not None else {}
     for key in arrays:
-        if key not in allowed:
+        if dtypes_of(key) is None:
             raise Refused(f"unexpected tensor {quote(key)}")
     total = sum(len(array.data) if isinstance(array.data, bytes) else 0 for array in arrays.values())
     if total > max_bytes:
-        raise Refused(f"payload of {total} bytes exceeds the limit of {max_bytes} bytes (the gRPC runtime's max_payload_bytes)")
-    tensors = {key: _decode_array(key, array, allowed[key]) for key, array in arrays.items()}
-    return Reply(status, fields, Payload(fields["step"], fields["phase"], fields["num_samples"], tensors))
+        raise Refused(f"payload of {total} bytes exceeds the limit of {max_bytes} bytes ({limit})")
+    return {key: _decode_array(key, array, dtypes_of(key)) for key, array in arrays.items()}
 
 
 def _field(header: ConfigRecord, name: str, kind: type) -> Any:
@@ -240,9 +278,10 @@ def _field(header: ConfigRecord, name: str, kind: type) -> Any:
         return value
     if kind is float and isinstance(value, float):
         return value
-    if kind is str and isinstance(value, str) and len(value) <= MAX_FIELD_CHARS:
+    chars = FIELD_CHARS.get(name, MAX_FIELD_CHARS)
+    if kind is str and isinstance(value, str) and len(value) <= chars:
         return value
-    bound = {int: f"an integer in 0..{MAX_COUNT}", float: "a floating-point number", str: f"text of at most {MAX_FIELD_CHARS} characters"}[kind]
+    bound = {int: f"an integer in 0..{MAX_COUNT}", float: "a floating-point number", str: f"text of at most {chars} characters"}[kind]
     raise Refused(f"header field {name!r} is {'missing' if value is None else 'not ' + bound}")
 
 
@@ -283,12 +322,6 @@ def payload_content(payload: Payload, **header: Any) -> RecordDict:
     return RecordDict({HEADER: ConfigRecord(fields), TENSORS: record_from_tensors(payload.tensors)})
 
 
-def payload_from_content(content: RecordDict) -> Payload:
-    header = content.config_records[HEADER]
-    tensors = tensors_from_record(content.array_records[TENSORS]) if TENSORS in content.array_records else {}
-    return Payload(int(header["step"]), int(header["phase"]), int(header["num_samples"]), tensors)
-
-
 # ----------------------------------------------------------------------------- run settings
 
 
@@ -305,11 +338,6 @@ class RunSettings:
 
     def to_json(self) -> str:
         return json.dumps({"config": self.config.model_dump(mode="json"), "strategy": self.spec.model_dump(mode="json")})
-
-    @classmethod
-    def from_json(cls, text: str) -> "RunSettings":
-        data = json.loads(text)
-        return cls(SimulationConfig.model_validate(data["config"]), StrategySpec.model_validate(data["strategy"]))
 
 
 def settings_from_run_config(run_config: dict[str, Any]) -> tuple[RunSettings, Path]:
@@ -337,9 +365,6 @@ def settings_from_run_config(run_config: dict[str, Any]) -> tuple[RunSettings, P
     return RunSettings(config, spec), out
 
 
-# ----------------------------------------------------------------------------- node (ClientApp)
-
-
 @functools.lru_cache(maxsize=4)
 def _cached_workload(name: str, options_json: str) -> Workload:
     """One workload per process: loading data costs seconds, and a workload is pure (seeded)."""
@@ -347,7 +372,11 @@ def _cached_workload(name: str, options_json: str) -> Workload:
 
 
 def workload_for(config: SimulationConfig) -> Workload:
+    """The ServerApp's workload, from its own config (a node builds its own: :func:`node_workload`)."""
     return _cached_workload(config.workload, json.dumps(config.workload_options, sort_keys=True))
+
+
+# ----------------------------------------------------------------------------- node (ClientApp)
 
 
 # Minibatches by (run, node, partition index, data file). Only a shortcut: a step's batch
@@ -395,6 +424,7 @@ class NodeReplica:
     """One node's replica between messages, and the server messages of the step under way."""
 
     settings_json: str  # as the server sent it: compared to spot another run's state
+    layout: str  # the server's layout fingerprint that came with the settings
     settings: RunSettings
     replica: Replica
     step: int = -1  # the step under way; -1 between steps
@@ -403,13 +433,33 @@ class NodeReplica:
     messages: list[Payload] = field(default_factory=list)
 
     @classmethod
-    def build(cls, settings_json: str, node_config: dict) -> "NodeReplica":
-        """A fresh replica: seeded initial weights, as the server's at step 0."""
-        settings = RunSettings.from_json(settings_json)
-        torch.set_num_threads(int(node_config.get("threads", settings.config.threads)))
-        device = resolve_device(str(node_config.get("device", settings.config.device)))
-        strategy = make_strategy(settings.spec.name, **settings.spec.options)
-        return cls(settings_json, settings, Replica(workload_for(settings.config), strategy, settings.config.optimizer, device))
+    def build(cls, settings_json: str, layout: str, context: Context, policy: NodePolicy) -> "NodeReplica":
+        """A fresh replica: seeded initial weights, as the server's at step 0. Nothing is imported
+        or built unless the node's policy allows the settings (:func:`check_settings`)."""
+        run = check_settings(settings_json, policy, context.run_id, layout)
+        node_config = context.node_config
+        # The server's thread count, at most this machine's cores, unless the node sets its own.
+        torch.set_num_threads(int(node_config.get("threads", min(run.config.threads, os.cpu_count() or 1))))
+        device = resolve_device(str(node_config.get("device", run.config.device)))
+        replica = Replica(node_workload(run.checked, policy), run.checked.strategy, run.checked.optimizer, device)
+        return cls(settings_json, layout, RunSettings(run.config, run.spec), replica)
+
+    def state_dtypes(self) -> Callable[[str], set[torch.dtype] | None]:
+        """The dtypes each key of the server's full state may have (None: not a key of it): this
+        model's parameters and buffers exactly; optimizer state (``optim/<index>/<name>``, whose
+        names the optimizer only knows once it has stepped) for indices of its parameters."""
+        model = {MODEL_PREFIX + name: {tensor.dtype} for name, tensor in self.replica.model.state_dict().items()}
+        parameters = sum(len(group["params"]) for group in self.replica.optimizer.param_groups)
+
+        def dtypes(key: str) -> set[torch.dtype] | None:
+            if key in model:
+                return model[key]
+            index, _, name = key.removeprefix(OPTIM_PREFIX).partition("/")
+            if key.startswith(OPTIM_PREFIX) and re.fullmatch(r"[0-9]{1,9}", index) and int(index) < parameters and name.isidentifier():
+                return FLOAT_DTYPES
+            return None
+
+        return dtypes
 
     def save(self, context: Context, weights: bool) -> None:
         """Write this node into ``context.state``; ``weights`` only when they changed."""
@@ -422,6 +472,7 @@ class NodeReplica:
         context.state[NODE_INFO] = ConfigRecord(
             {
                 "settings": self.settings_json,
+                "layout": self.layout,
                 "step": self.step,
                 "attempt": self.attempt,
                 "base": self.base,
@@ -431,12 +482,12 @@ class NodeReplica:
         )
 
     @classmethod
-    def restore(cls, context: Context) -> "NodeReplica | None":
+    def restore(cls, context: Context, policy: NodePolicy) -> "NodeReplica | None":
         """The node as the last message left it, or None when ``context.state`` has none."""
         if NODE_INFO not in context.state.config_records or NODE_WEIGHTS not in context.state.array_records:
             return None
         info = context.state.config_records[NODE_INFO]
-        node = cls.build(str(info["settings"]), context.node_config)
+        node = cls.build(str(info["settings"]), str(info["layout"]), context, policy)
         load_state(node.replica, Payload(0, 0, 0, tensors_from_record(context.state.array_records[NODE_WEIGHTS])))
         half = bytes(info["half"])
         if half:
@@ -471,45 +522,71 @@ def _reply(message: Message, status: str, payload: Payload | None = None, **head
     return Message(content, reply_to=message)
 
 
+def refusing(handler: Callable[[Message, Context], Message]) -> Callable[[Message, Context], Message]:
+    """``handler``, replying ``refused`` with one line saying why when the server's message is
+    malformed or asks for what the node's policy does not allow (nothing refused is built)."""
+
+    @functools.wraps(handler)
+    def handle(message: Message, context: Context) -> Message:
+        try:
+            return handler(message, context)
+        except (RunRefused, Refused) as exc:
+            reason = one_line(str(exc), MAX_REASON_CHARS)[:MAX_REASON_CHARS]
+        log.warning("node %s refuses the server's %s message: %s", context.node_id, message.metadata.message_type, reason)
+        return _reply(message, REFUSED, reason=reason)
+
+    return handle
+
+
+@refusing
 def handle_step(message: Message, context: Context) -> Message:
-    """``train.step``: check the weights (or load the server's full state), run
-    forward/backward on this step's batch, reply with the phase-0 payload."""
-    header = message.content.config_records[HEADER]
-    step, settings_json = int(header["step"]), str(header["settings"])
-    state = message.content.array_records[STATE] if STATE in message.content.array_records else None
-    node = NodeReplica.restore(context) if state is None else None
+    """``train.step``: check the settings (with the node's policy) and the weights (or load the
+    server's full state), run forward/backward on this step's batch, reply with the phase-0 payload."""
+    header, state = read_records(message.content, STATE)
+    fields = read_fields(header, STEP_FIELDS)
+    step, settings_json = fields["step"], fields["settings"]
+    policy = NodePolicy.from_node_config(context.node_config)
+    node = NodeReplica.restore(context, policy) if state is None else None
     if node is None or node.settings_json != settings_json:
         # Nothing kept, state of other settings, or a resync: a fresh replica and site half.
-        node = NodeReplica.build(settings_json, context.node_config)
+        node = NodeReplica.build(settings_json, fields["layout"], context, policy)
     if state is not None:
-        load_state(node.replica, Payload(step, 0, 0, tensors_from_record(state)))
+        tensors = read_tensors(state, node.state_dtypes(), policy.limits.max_payload_bytes, NODE_PAYLOAD_LIMIT)
+        load_state(node.replica, Payload(step, 0, 0, tensors))
     layout = node.replica.layout.fingerprint()
-    if layout != header["layout"]:
+    if layout != fields["layout"]:
         raise ValueError(
-            f"node {context.node_id}: model layout {layout} differs from the server's {header['layout']}; "
+            f"node {context.node_id}: model layout {layout} differs from the server's {printable(fields['layout'])}; "
             "install the same dadfl version and workload (and its options) on every site and the server"
         )
     fingerprint = weights_fingerprint(node.replica.model)
-    if fingerprint != header["fingerprint"]:
+    if fingerprint != fields["fingerprint"]:
         return _reply(message, NEED_STATE, fingerprint=fingerprint)
-    partition_index = int(header["partition_index"])
+    partition_index, sites = fields["partition_index"], node.settings.config.sites
+    if partition_index >= sites:
+        raise RunRefused(f"the server sent partition_index {partition_index} for a run of {sites} sites")
     stream = batch_stream(context, node.settings.config, node.replica.workload, partition_index)
     local = node.replica.work(stream.at, step)
     payload = node.replica.half.begin(local, step)
-    node.step, node.attempt, node.base, node.messages = step, int(header["attempt"]), fingerprint, []
+    node.step, node.attempt, node.base, node.messages = step, fields["attempt"], fingerprint, []
     node.save(context, weights=True)  # forward passes move normalisation statistics
     return _upload_reply(message, node, payload, float(local.loss_sum))
 
 
+@refusing
 def handle_phase(message: Message, context: Context) -> Message:
     """``train.phase``: take the server's message; reply with the next payload, or apply the
     step's messages and reply with the weights fingerprint."""
-    server_message = payload_from_content(message.content)
-    attempt = int(message.content.config_records[HEADER]["attempt"])
-    node = NodeReplica.restore(context)
-    if node is None or (node.step, node.attempt, len(node.messages)) != (server_message.step, attempt, server_message.phase):
-        return _reply(message, LOST, step=server_message.step, phase=server_message.phase)
-    server_message = server_message.to(node.replica.device)
+    header, arrays = read_records(message.content, TENSORS)
+    fields = read_fields(header, PHASE_FIELDS)
+    step, phase = fields["step"], fields["phase"]
+    policy = NodePolicy.from_node_config(context.node_config)
+    node = NodeReplica.restore(context, policy)
+    if node is None or (node.step, node.attempt, len(node.messages)) != (step, fields["attempt"], phase):
+        return _reply(message, LOST, step=step, phase=phase)
+    # The strategy does not name a message's tensors ahead of it: any known dtype, within the node's cap.
+    tensors = read_tensors(arrays, lambda key: ANY_DTYPE, policy.limits.max_payload_bytes, NODE_PAYLOAD_LIMIT)
+    server_message = Payload(step, phase, fields["num_samples"], tensors).to(node.replica.device)
     node.messages.append(server_message)
     reply = node.replica.half.receive(server_message)
     if reply is not None:
@@ -518,7 +595,7 @@ def handle_phase(message: Message, context: Context) -> Message:
     fingerprint = node.replica.apply(node.messages)
     node.step, node.messages = -1, []
     node.save(context, weights=True)
-    return _reply(message, DONE, step=server_message.step, fingerprint=fingerprint)
+    return _reply(message, DONE, step=step, fingerprint=fingerprint)
 
 
 def make_client_app() -> ClientApp:
@@ -760,9 +837,13 @@ class FlowerCoordinator:
         checked = []
         for node in self.nodes:
             try:
-                checked.append(read_reply(replies[node].content, upload_dtypes, MAX_PAYLOAD_BYTES))
+                reply = read_reply(replies[node].content, upload_dtypes, MAX_PAYLOAD_BYTES)
             except Refused as exc:
                 self.refuse(node, step, phase, str(exc))
+            if reply.status == REFUSED:
+                reason = one_line(reply.fields["reason"], MAX_REASON_CHARS)
+                raise FlowerRunError(f"step {step} phase {phase}: node {node} refuses the server's message: {reason}")
+            checked.append(reply)
         return checked
 
 
