@@ -54,6 +54,17 @@ Without dropout tolerance, a refused node stops the run with a :class:`FlowerRun
 naming the node and the reason. What Flower itself holds before the ServerApp sees a
 reply (the message as the SuperLink received it) is Flower's to bound.
 
+A node holds the server to its own rules in turn, as a gRPC site does its coordinator
+(``flower_policy.py``): the run settings in a step message pass the gRPC site's checks
+(``client/run_checks.py``: the workload allowed by name before any import, bounded options,
+batch size, steps and model size within the node's limits, the [dp] floor) under a policy
+from the node config, before anything is imported or built; the server's messages and full
+state are read as replies are (:func:`read_records`, :func:`read_fields`,
+:func:`read_tensors`): known records and typed header fields only, the full state's keys
+those of this model and its optimizer, at most ``limits.max_payload_bytes`` of tensors,
+every ``.npy`` header checked against its bytes. A node that refuses replies ``refused``
+with one line saying why; the ServerApp stops the run with it, naming the node.
+
 Flower's deployment engine polls every 3 s, so each round trip (1 + number of phases
 per step) costs seconds; use Flower to join existing federations and the gRPC runtime
 for speed. Entry points: :func:`make_flower_apps`, :func:`simulate_flower` and
@@ -88,9 +99,9 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordD
 from flwr.clientapp import ClientApp  # noqa: E402
 from flwr.serverapp import Grid, ServerApp  # noqa: E402
 
+from dadfl.client.run_checks import RunRefused
 from dadfl.protos import tensor_pb2 as pb
 from dadfl.protos.codec import DTYPES, MAX_DIMS, Assembled
-from dadfl.client.run_checks import RunRefused
 from dadfl.protos.state import MODEL_PREFIX, OPTIM_PREFIX, load_state, state_payload
 from dadfl.sanitize import one_line, printable
 from dadfl.server.config import FederationConfig, WireConfig

@@ -220,11 +220,17 @@ def test_a_nodes_refusal_reaches_the_server_as_one_bounded_line(tmp_path, task_i
 
 
 def test_the_node_policy_comes_from_the_node_config_with_the_site_configs_names():
-    policy = NodePolicy.from_node_config(
-        {"allowed_workloads": "digits-mlp, hospital_wl.", "limits.max_batch_size": 64, "privacy.require_dp": True,
-         "data-path": "/data/site.npz", "partition-id": 0}  # other keys are the node's data, or other apps'
+    """Read from what a SuperNode's ``--node-config`` gives (Flower's own parser); other keys
+    belong to the node's data or to other apps."""
+    from flwr.common.config import parse_config_args
+
+    node_config = parse_config_args(
+        ["allowed_workloads='digits-mlp, hospital_wl.' workload_path='/opt/a:/opt/b' limits.max_batch_size=64 "
+         "privacy.require_dp=true data-path='/data/site.npz' partition-id=0"]
     )
+    policy = NodePolicy.from_node_config(node_config)
     assert policy.allowed_workloads == ["digits-mlp", "hospital_wl."]
+    assert [str(path) for path in policy.workload_path] == ["/opt/a", "/opt/b"]
     assert (policy.limits.max_batch_size, policy.limits.max_steps, policy.privacy.require_dp) == (64, 10_000_000, True)
     assert NodePolicy.from_node_config({}).allowed_workloads == list(BUILTIN)
     with pytest.raises(ConfigError, match=r"node config: field 'limits.max_batch_sise'.*remove it or check its spelling"):
