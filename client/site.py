@@ -17,9 +17,10 @@ bad token, wrong layout) end the site with the reason.
 
 The client is asyncio (``grpc.aio``): one coroutine reads the stream, handles each message
 and writes what the handling produced, with no thread between them; many sites can run
-in one process (``run_site_async``). Work on a model of ``INLINE_BYTES`` or more, a [dp]
-run's steps (each upload's privacy ledger is written and fsync'd first) and the replica's
-build run in a worker thread, so they do not stall other streams.
+in one process (``run_site_async``). The steps of a run whose step's work
+(``step_work_bytes``: model bytes × local steps) is ``INLINE_BYTES`` or more, a [dp] run's
+steps (each upload's privacy ledger is written and fsync'd first) and the replica's build
+run in a worker thread, so they do not stall other streams.
 """
 
 from __future__ import annotations
@@ -57,7 +58,12 @@ from .run_checks import RunRefused, build_workload, check_run_config
 log = logging.getLogger("dadfl.site")
 
 MAX_CHUNK_BYTES = 4 << 20  # the largest chunk_bytes a server config allows
-INLINE_BYTES = 1 << 20  # models smaller than this step on the event loop: a hop to a thread costs more
+# A step's work is measured as model bytes × the batches the step trains on (the strategy's
+# batch_indices: 1 for one-batch strategies, H for FedAvg/DiLoCo's H local steps), since a
+# forward/backward costs about the same per model byte. A step under INLINE_BYTES runs on the
+# event loop, where a hop to a thread would cost more than the step; one at or over it runs in
+# a worker thread, so it does not stall every other stream on the loop.
+INLINE_BYTES = 1 << 20
 FINISHED_STATUS_S = 2.0  # after `finished`, how long a site waits for the stream's status before cancelling its call
 PERMANENT = {
     grpc.StatusCode.UNAUTHENTICATED,
@@ -65,6 +71,13 @@ PERMANENT = {
     grpc.StatusCode.FAILED_PRECONDITION,
     grpc.StatusCode.UNIMPLEMENTED,
 }
+
+
+def step_work_bytes(replica: Replica) -> int:
+    """The work of one step, as ``INLINE_BYTES`` measures it: the model's parameter bytes times
+    the batches one step trains on."""
+    model_bytes = sum(p.numel() * p.element_size() for p in replica.model.parameters())
+    return model_bytes * len(replica.strategy.batch_indices(0))
 
 
 class SiteRefused(RuntimeError):
@@ -116,12 +129,12 @@ class Run:
     half_step: int | None = 0  # the step whose start the half holds; None in the middle of a step
     held_out: Dataset | None = None  # evaluation data
     releases: RunReleases | None = None  # [dp]: Poisson batches, clipped samples, each upload in the ledger
-    large: bool = False  # a model of INLINE_BYTES or more: its steps run in a worker thread
+    large: bool = False  # a step's work of INLINE_BYTES or more: its steps run in a worker thread
     checkpoint_step: int = 0  # the server's checkpoint step as the last step begin named it
 
     @property
     def off_loop(self) -> bool:
-        """Whether its messages are handled in a worker thread: a large model's steps, or [dp]'s
+        """Whether its messages are handled in a worker thread: a large step's work, or [dp]'s
         ledger write and fsync before every upload, would stall every stream on the event loop."""
         return self.large or self.releases is not None
 
@@ -350,7 +363,7 @@ class Site:
         if held_out is not None:
             held_out = check_dataset(replica.model, workload.loss, held_out, held_out_source(self.config, source), replica.device)
         states = HalfStates(self.config.state_dir, self.config.site_id, config.run_id, replica.device)
-        large = sum(p.numel() * p.element_size() for p in replica.model.parameters()) >= INLINE_BYTES
+        large = step_work_bytes(replica) >= INLINE_BYTES
         self.run = Run(config, replica, batches, codec_id(config.codec), states, held_out=held_out, releases=releases, large=large)
         log.info("site %s: run %s, %s with %s, %d steps", self.config.site_id, config.run_id, config.workload, config.strategy, config.steps)
 

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 
 import pytest
 import torch
 from torch import nn
 
+from dadfl.client.site import INLINE_BYTES
 from dadfl.privacy import DPConfig
+from dadfl.replica import Replica
 from dadfl.simulation import SimulationConfig, StrategySpec
 from dadfl.strategies import Layout, make_strategy, reference_update
 from dadfl.strategies.base import tensor_key
+from dadfl.workloads import load_workload
 
 from model_zoo import build, per_sample_cross_entropy, site_batches
+from network_helpers import ServerThread, SiteThread, server_config, site_config
 
 SIZES = (6, 2, 4)
 
@@ -167,3 +172,31 @@ def test_options_are_bounded_and_dp_is_refused_with_the_reason():
     for name in ("fedavg", "diloco"):
         with pytest.raises(ValueError, match="several local steps"):
             SimulationConfig(strategies=[StrategySpec(name=name)], dp=DPConfig(noise_multiplier=1.0))
+
+
+@pytest.mark.parametrize("strategy, off_loop", [({"name": "dsgd"}, False), ({"name": "fedavg", "options": {"local_steps": 4}}, True)])
+def test_a_site_runs_a_step_off_its_event_loop_by_the_steps_work_not_the_model_size(tmp_path, monkeypatch, strategy, off_loop):
+    """A model under INLINE_BYTES steps on the event loop with one batch a step, but in a
+    worker thread when its H local steps make a round's work INLINE_BYTES or more."""
+    hidden = 320  # 507 kB of parameters, times 4 local steps is over INLINE_BYTES
+    model_bytes = 4 * sum(p.numel() for p in load_workload("digits-mlp", hidden=hidden).build_model().parameters())
+    assert model_bytes < INLINE_BYTES <= 4 * model_bytes
+    on_loop = []
+    work = Replica.work
+
+    def work_where(replica, batch_at, step):
+        try:
+            on_loop.append(asyncio.get_running_loop() is not None)
+        except RuntimeError:  # no event loop runs in this thread
+            on_loop.append(False)
+        return work(replica, batch_at, step)
+
+    monkeypatch.setattr(Replica, "work", work_where)
+    config = server_config(tmp_path, workload={"spec": "digits-mlp", "options": {"hidden": hidden}}, strategy=strategy,
+                           training={"steps": 2, "batch_size": 16, "eval_every": 2, "checkpoint_every": 0})
+    server = ServerThread(config).start()
+    sites = [SiteThread(site_config(tmp_path, f"site-{i}", server.endpoint, i, 2)).start() for i in range(2)]
+    summaries = [site.join(60) for site in sites]
+    server.join(60)
+    assert len({s.fingerprint for s in summaries}) == 1 and summaries[0].steps == 2
+    assert on_loop == [not off_loop] * 4
