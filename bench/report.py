@@ -605,6 +605,17 @@ FAMILIES = {  # the choice a hospital makes, by the strategy's name
 }
 
 
+def own_run(strategies: dict, label: str) -> dict | None:
+    """The matrix's run of the strategy ``label`` in a group, or dSGD's for an exact strategy
+    (the same update to float rounding, so the same steps to target)."""
+    return strategies.get(label) or (strategies.get("dsgd") if label.split()[0] in EXACT else None)
+
+
+def seconds_on(seconds: dict[tuple[str, str, str], float], partition: str, link: str) -> dict[str, float]:
+    """Seconds to target by strategy label, for one split and one link."""
+    return {label: t for (split, label, on), t in seconds.items() if split == partition and on == link}
+
+
 def time_to_target_section(links: dict | None, results: dict, images: Path, docs: Path) -> list[str]:
     """Seconds to dSGD's target on each link and split: the matrix's steps to target for the
     links' setting (4 sites, seed mean) times the seconds per step measured on that link."""
@@ -634,8 +645,7 @@ def time_to_target_section(links: dict | None, results: dict, images: Path, docs
         header = ["strategy", "steps to target"] + [f"{name}: s (bound)" for name in links_names]
         rows = []
         for label, runs in links["strategies"].items():
-            name = label.split()[0]
-            own = strategies.get(label) or (strategies.get("dsgd") if name in EXACT else None)
+            own = own_run(strategies, label)
             steps = own["steps_to_target"] if own else None
             row = [label, str(steps) if steps else ("not reached" if own else "not in the matrix")]
             for link in links_names:
@@ -648,7 +658,7 @@ def time_to_target_section(links: dict | None, results: dict, images: Path, docs
             rows.append(row)
         lines += table(header, rows)
         for link in links_names:
-            found = {label: t for (split, label, l), t in seconds.items() if split == partition and l == link}
+            found = seconds_on(seconds, partition, link)
             rank = {label: t for label, t in found.items() if label.startswith("rankdad")}
             power = {label: t for label, t in found.items() if label.startswith("powersgd")}
             dsgd = found.get("dsgd")
@@ -671,7 +681,7 @@ def choice_table(seconds: dict[tuple[str, str, str], float], groups: dict, links
     rows = []
     for link in links_names:
         for partition in groups:
-            found = {label: t for (split, label, l), t in seconds.items() if split == partition and l == link}
+            found = seconds_on(seconds, partition, link)
             row = [link, SPLITS[partition]]
             for names in FAMILIES.values():
                 family = {label: t for label, t in found.items() if label.split()[0] in names}
@@ -690,8 +700,7 @@ def plot_metric_vs_seconds(links: dict, groups: dict, link: str, image: Path) ->
     drawn = False
     for axis, (partition, group) in zip(axes[0], groups.items()):
         for label, runs in links["strategies"].items():
-            name = label.split()[0]
-            own = group["strategies"].get(label) or (group["strategies"].get("dsgd") if name in EXACT else None)
+            own = own_run(group["strategies"], label)
             run = runs.get(link)
             if own is None or run is None:
                 continue
