@@ -18,7 +18,6 @@ from torch.utils.data import DataLoader, Dataset
 
 from dadfl.strategies import Layout, Payload, Strategy, apply_update, local_step, weights_fingerprint
 from dadfl.strategies.base import LocalResult, decode_message
-from dadfl.strategies.local_steps import LocalStepsSite
 from dadfl.strategies.privacy import ClipPlan, clipped_local_step
 from dadfl.workloads import Split, Workload
 
@@ -68,12 +67,14 @@ class Replica:
 
     def work(self, batch_at: Callable[[int], tuple[torch.Tensor, torch.Tensor]], step: int) -> LocalResult:
         """This site's part of ``step``: one forward/backward on batch ``step`` of its stream,
-        or, for a strategy with local steps, a round of H inner steps on its H batches."""
+        or, for a site half that trains on a step's batches itself (``TrainsRounds``: FedAvg/DiLoCo's
+        H inner steps), its ``train_round`` on them."""
         indices = self.strategy.batch_indices(step)
-        if isinstance(self.half, LocalStepsSite):
+        train_round = getattr(self.half, "train_round", None)  # a half that consumes the step's batches itself (TrainsRounds)
+        if train_round is not None:
             self.model.train()
             batches = (tuple(t.to(self.device) for t in batch_at(i)) for i in indices)  # one batch held at a time
-            return self.half.train(self.model, self.workload.loss, batches, self.optimizer_config.build)
+            return train_round(self.model, self.workload.loss, batches, self.optimizer_config.build)
         return self.local(*batch_at(indices[0]))
 
     def local(self, inputs: torch.Tensor, targets: torch.Tensor) -> LocalResult:

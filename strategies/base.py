@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Callable, Iterable, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -128,6 +128,26 @@ class SiteHalf(HalfState, Protocol):
     def receive(self, message: Payload) -> Payload | None:
         """Take the server's message of a phase; return the next phase's payload, or
         None after the last phase."""
+
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+class TrainsRounds(Protocol):
+    """A site half that consumes a step's batches itself (FedAvg/DiLoCo's H local steps).
+
+    The runtime's replica (``Replica.work``) looks for ``train_round`` on the site half: a half
+    with it is handed the step's batches (``Strategy.batch_indices``, one held at a time) and
+    returns the step's ``LocalResult``; a half without it gets one forward/backward on the
+    step's first batch (``local_step``), as every one-batch strategy. A user strategy's half
+    defines ``train_round`` to train on its steps' batches its own way.
+    """
+
+    def train_round(self, model: nn.Module, loss_fn: Callable, batches: Iterable[Batch], run_optimizer: OptimizerFactory) -> LocalResult:
+        """Train from the model's current weights on ``batches`` and put the weights back (the
+        replica applies the step's decoded update from them); ``run_optimizer`` builds the run's
+        optimizer over a list of parameters."""
 
 
 class ServerHalf(HalfState, Protocol):

@@ -41,13 +41,11 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from .base import LocalResult, StateDict, check_state_keys, tensors_under, with_prefix
+from .base import Batch, LocalResult, OptimizerFactory, StateDict, check_state_keys, tensors_under, with_prefix
 from .capture import as_args, sample_losses
 from .dsgd import DSGD, DenseServer, DenseSite
 from .layout import Layout
 
-Batch = tuple[torch.Tensor, torch.Tensor]
-OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 MAX_LOCAL_STEPS = 10_000  # a coordinator cannot make a site train for ever in one round
 
 
@@ -56,10 +54,10 @@ class LocalStepsSite(DenseSite):
     inner optimizer starts fresh every round, so this half carries nothing.
 
     The half never holds the model (a runtime may pickle the half between messages, which
-    would train a stale copy): ``train`` is handed the replica's model every round.
+    would train a stale copy): ``train_round`` is handed the replica's model every round.
     """
 
-    def train(self, model: nn.Module, loss_fn: Callable, batches: Iterable[Batch], run_optimizer: OptimizerFactory) -> LocalResult:
+    def train_round(self, model: nn.Module, loss_fn: Callable, batches: Iterable[Batch], run_optimizer: OptimizerFactory) -> LocalResult:
         """H inner steps from the current weights; the weights are put back afterwards, so
         the replica applies the round's update from θ_t like every other replica."""
         params = dict(model.named_parameters())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -11,10 +12,12 @@ from torch import nn
 
 from dadfl.client.site import INLINE_BYTES
 from dadfl.privacy import DPConfig
-from dadfl.replica import Replica
+from dadfl.replica import OptimizerConfig, Replica
 from dadfl.simulation import SimulationConfig, StrategySpec
 from dadfl.strategies import Layout, make_strategy, reference_update
+from dadfl.strategies import DSGD, local_step
 from dadfl.strategies.base import tensor_key
+from dadfl.strategies.dsgd import DenseSite
 from dadfl.workloads import load_workload
 
 from model_zoo import build, per_sample_cross_entropy, site_batches
@@ -41,7 +44,7 @@ def run_rounds(strategy, model, batches, rounds, halves=None, inner=None):
         uploads = []
         for half, site in zip(halves, batches):
             before = copy.deepcopy(model.state_dict())
-            local = half.train(model, per_sample_cross_entropy, list(strategy_round(strategy, site, r)), inner)
+            local = half.train_round(model, per_sample_cross_entropy, list(strategy_round(strategy, site, r)), inner)
             assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), "training a round leaves the weights as they were"
             uploads.append(half.begin(local, r))
         message = server.aggregate(uploads)
@@ -107,7 +110,7 @@ def test_a_parameter_no_batch_reaches_gets_no_delta():
     strategy = make_strategy("fedavg", local_steps=2)
     layout = Layout.from_model(model, batches[0][0][0])
     half = strategy.site(layout, model)
-    local = half.train(model, per_sample_cross_entropy, batches[0][:2], lambda p: torch.optim.SGD(p, lr=0.1, weight_decay=0.1))
+    local = half.train_round(model, per_sample_cross_entropy, batches[0][:2], lambda p: torch.optim.SGD(p, lr=0.1, weight_decay=0.1))
     upload = half.begin(local, 0)
     assert tensor_key("used.weight", "grad") in upload.tensors
     assert not any(key.startswith("unused.") for key in upload.tensors)
@@ -153,7 +156,7 @@ def run_rounds_from(strategy, model, batches, halves):
     server, outer = strategy.server(layout, model), strategy.outer_optimizer(model.parameters())
     messages = []
     for r in (2, 3):
-        uploads = [half.begin(half.train(model, per_sample_cross_entropy, list(strategy_round(strategy, site, r)), None), r)
+        uploads = [half.begin(half.train_round(model, per_sample_cross_entropy, list(strategy_round(strategy, site, r)), None), r)
                    for half, site in zip(halves, batches)]
         messages.append(server.aggregate(uploads))
         update = strategy.decode(layout, [messages[-1]], model)
@@ -200,3 +203,33 @@ def test_a_site_runs_a_step_off_its_event_loop_by_the_steps_work_not_the_model_s
     server.join(60)
     assert len({s.fingerprint for s in summaries}) == 1 and summaries[0].steps == 2
     assert on_loop == [not off_loop] * 4
+
+
+class WholeRoundSite(DenseSite):
+    """A user strategy's half (no local-steps class): one forward/backward on all the step's
+    batches at once, through the ``train_round`` hook."""
+
+    def train_round(self, model, loss_fn, batches, run_optimizer):
+        inputs, targets = zip(*batches)
+        return local_step(model, self.layout, loss_fn, torch.cat(inputs), torch.cat(targets))
+
+
+@dataclass(frozen=True)
+class WholeRound(DSGD):
+    def site(self, layout: Layout, model=None) -> WholeRoundSite:
+        return WholeRoundSite(layout)
+
+    def batch_indices(self, step: int) -> range:
+        return range(2 * step, 2 * step + 2)
+
+
+def test_a_site_half_with_train_round_consumes_the_steps_batches_itself():
+    """``Replica.work`` hands any half with ``train_round`` the step's batches, whatever its class."""
+    workload = load_workload("digits-mlp", hidden=16)
+    data = workload.training_data()
+    batch_at = lambda i: (data.inputs[8 * i : 8 * i + 8], data.targets[8 * i : 8 * i + 8])  # noqa: E731
+    replica = Replica(workload, WholeRound(), OptimizerConfig())
+    local = replica.work(batch_at, 1)
+    expected = local_step(replica.model, replica.layout, workload.loss, data.inputs[16:32], data.targets[16:32])
+    assert local.num_samples == 16 and local.grads.keys() == expected.grads.keys()
+    assert all(torch.equal(local.grads[name], expected.grads[name]) for name in expected.grads)
