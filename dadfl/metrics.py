@@ -5,7 +5,11 @@ Keys of a step record: ``strategy``, ``step``, ``sites``, ``samples`` (N),
 payload bytes summed over all sites; down counts every site's copy), ``seconds``,
 ``fingerprint`` (weights after the step), and optionally ``test_loss``,
 ``test_<metric>``, ``rank/<layer>`` and ``wire_bytes_up``/``wire_bytes_down``
-(bytes measured on the network, framing included).
+(bytes measured on the network, framing included). In the networked runtime a step's
+``wire_bytes_up_by_site`` is every message the site sent for that step, its ``step_done``
+included even when it rides in the next step's first upload chunk (``previous_done``: those
+bytes count towards the done's step, the rest of that message towards the next step);
+``wire_messages_up_by_site`` counts that message once, in the next step.
 """
 
 from __future__ import annotations

@@ -129,6 +129,11 @@ def wire_size(message) -> int:
     return message.ByteSize() + GRPC_FRAME_BYTES
 
 
+def done_bytes(message: cpb.SiteMessage) -> int:
+    """The bytes of the ``previous_done`` a message carries (its field, tag and length included), 0 without one."""
+    return cpb.SiteMessage(previous_done=message.previous_done).ByteSize() if message.HasField("previous_done") else 0
+
+
 def done_event(done: cpb.StepDone) -> Done:
     return Done(done.step, done.attempt, done.fingerprint, done.eval if done.HasField("eval") else None)
 
@@ -434,7 +439,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                 kind = message.WhichOneof("kind")
                 if kind == "chunk" and message.chunk.HasField("header"):
                     ahead = message.chunk.header.step > self.step  # an upload that began the next step by itself
-                link.count_up(wire_size(message), ahead and kind == "chunk")
+                link.count_up(wire_size(message), ahead and kind == "chunk", done_bytes(message))
                 if kind == "leaving":  # a departure, not a refusal: dropped at once, not quarantined
                     log.warning("site %s leaves the run: %s", link.site_id, one_line(message.leaving.reason, REASON_CHARS))
                     link.gone("it left the run")

@@ -175,7 +175,7 @@ class SiteLink:
     admitted: bool = False  # has received the current state and takes part in steps
     closed: bool = False
     pending_write: asyncio.Timeout | None = None  # a write under way; closing fires it, so a site that does not read is dropped
-    wire_up: int = 0  # bytes of every message received / sent in this step, gRPC framing included
+    wire_up: int = 0  # bytes of every message received / sent in this step, gRPC framing included (count_up)
     wire_down: int = 0
     messages_up: int = 0  # gRPC messages received / sent in this step
     messages_down: int = 0
@@ -188,10 +188,13 @@ class SiteLink:
     def __post_init__(self) -> None:
         self.inbox = Inbox(self.max_queued_bytes)
 
-    def count_up(self, nbytes: int, next_step: bool) -> None:
-        """A message received: this step's traffic, or the next step's when it is that step's upload."""
+    def count_up(self, nbytes: int, next_step: bool, done_bytes: int = 0) -> None:
+        """A message received: this step's traffic, or the next step's when it is that step's
+        upload. A next step's first chunk carries this step's done (``previous_done``): the done's
+        ``done_bytes`` are this step's, the rest of the message (and its framing) the next step's."""
         if next_step:
-            self.ahead_up = (self.ahead_up[0] + nbytes, self.ahead_up[1] + 1)
+            self.wire_up += done_bytes
+            self.ahead_up = (self.ahead_up[0] + nbytes - done_bytes, self.ahead_up[1] + 1)
         else:
             self.wire_up += nbytes
             self.messages_up += 1
