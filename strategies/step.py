@@ -136,7 +136,8 @@ def weights_fingerprint(model: nn.Module) -> str:
     It detects divergence between honest replicas; it is no integrity proof (the server sends
     its own fingerprint with every step, so a site could always echo it), which is why a
     non-cryptographic hash serves: every replica hashes the whole model every step, and XXH3
-    does that about 20× faster than SHA-256 (0.3 ms against 2.2 ms for 4.5 MB here)."""
+    does that about 30× faster than SHA-256 (0.08 ms against 2.2 ms for the 4.5 MB of a
+    1.1M-parameter MLP on one core here)."""
     digest = xxhash.xxh3_128()
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
         digest.update(name.encode())
