@@ -161,7 +161,7 @@ class PrivacyLedger:
     def epsilon(self, history: list[tuple[float, float, int]]) -> float:
         """ε of ``history`` at the budget's δ; ∞ where the accountant cannot bound it (σ ≈ 0).
         A δ so large that the conversion goes negative never counts as spent."""
-        return max(0.0, composed_epsilon(history, self.budget[1]))
+        return max(composed_epsilon(history, self.budget[1]), 0.0)  # NaN stays NaN: refused, never 0
 
     def _history(self, steps: dict, leave_out_run: str | None = None) -> list[tuple[float, float, int]]:
         return [(sigma, q, count) for (run_id, sigma, q), count in steps.items() if run_id != leave_out_run]
@@ -196,7 +196,7 @@ class PrivacyLedger:
             if self.rdp is None:
                 self.rdp = composed_rdp(self._history(self.steps))
             rdp = [spent + step for spent, step in zip(self.rdp, _rdp_per_step(noise_multiplier, sample_rate))]
-            total = max(0.0, rdp_epsilon(rdp, delta))
+            total = max(rdp_epsilon(rdp, delta), 0.0)  # NaN stays NaN: refused
             if not total <= limit:
                 raise BudgetSpent(
                     f"one more step would take this site's records to ε = {total:.4g} (δ = {delta:g}, every upload "

@@ -45,6 +45,13 @@ class RunRefused(RuntimeError):
     """The coordinator's run config asks for something this site does not run or allow."""
 
 
+class PrivateRefusal(RunRefused):
+    """A refusal whose words name what [dp] protects (this site's record count, the ε its
+    records spent over every run): they stay in the site's log, the server hears ``PUBLIC``."""
+
+    PUBLIC = "its privacy budget or its number of records refuses this run's [dp]; the site's log says why"
+
+
 class RunPolicy(Protocol):
     """What the checks read of a site's rules: a gRPC site's ``SiteConfig``, a Flower node's ``NodePolicy``."""
 

@@ -53,7 +53,7 @@ from .data import data_source, held_out_source, load_site_batches, read_data_fil
 from .data_checks import CheckedBatches, check_batches, check_dataset
 from .half_states import HalfStates
 from .privacy_ledger import BudgetSpent, PrivacyLedger, RunReleases
-from .run_checks import RunRefused, build_workload, check_run_config
+from .run_checks import PrivateRefusal, RunRefused, build_workload, check_run_config
 
 log = logging.getLogger("dadfl.site")
 
@@ -283,7 +283,7 @@ class Session:
             try:
                 run.releases.charge()  # on disk before the upload goes out
             except BudgetSpent as exc:
-                raise RunRefused(str(exc)) from None
+                raise PrivateRefusal(str(exc)) from None
         chunks = encode_payload(
             payload, run.codec, run.config.chunk_bytes, kind=pb.PHASE,
             attempt=self.step.attempt, loss_sum=loss_sum, base_fingerprint=self.step.fingerprint,
@@ -355,7 +355,7 @@ class Site:
                 rate = privacy.site_rate(config.batch_size, len(batches))
                 releases = RunReleases.admit(self.privacy_ledger(), config.run_id, privacy, rate, config.steps)
             except (ValueError, BudgetSpent) as exc:
-                raise RunRefused(str(exc)) from None
+                raise PrivateRefusal(str(exc)) from None
             poisson = PoissonBatches(batches.dataset, rate, seed=None)  # every upload a fresh sample (dadfl/privacy.py)
         batches = check_batches(replica.model, workload.loss, batches, source, replica.device)
         if poisson is not None:  # checked on the fixed batch of step 0, drawn by Poisson sampling from here
@@ -420,9 +420,15 @@ class Site:
 
     @classmethod
     async def _leave(cls, call, session: Session, exc: Exception) -> None:
-        """Tell the server that this site leaves and why: a refusal's own words (they name
-        settings and limits, never data), otherwise only the error's type."""
-        reason = str(exc) if isinstance(exc, RunRefused) else f"the site stopped on {type(exc).__name__}; its log says why"
+        """Tell the server that this site leaves and why: a refusal of the run config in its own
+        words (they name settings and limits), a privacy refusal in a fixed phrase (its words
+        name the site's records and ε), otherwise only the error's type."""
+        if isinstance(exc, PrivateRefusal):
+            reason = exc.PUBLIC
+        elif isinstance(exc, RunRefused):
+            reason = str(exc)
+        else:
+            reason = f"the site stopped on {type(exc).__name__}; its log says why"
         session.leave(reason)
         try:
             for outgoing in session.take_outgoing():

@@ -14,6 +14,7 @@ import math
 
 from dadfl.protos import tensor_pb2 as pb
 from dadfl.protos.codec import Assembled
+from dadfl.sanitize import printable
 
 
 class PayloadError(ValueError):
@@ -30,7 +31,7 @@ def check_protocol(upload: Assembled, step: int, attempt: int, phase: int, finge
         raise PayloadError(f"payload for phase {header.phase} while the server waits for phase {phase}")
     if header.base_fingerprint != fingerprint:
         raise PayloadError(
-            f"payload computed from model version {header.base_fingerprint[:12] or '(none)'} but the current "
+            f"payload computed from model version {printable(header.base_fingerprint[:12]) if header.base_fingerprint else '(none)'} but the current "
             f"model is {fingerprint[:12]}: the site's weights are stale"
         )
     if not 1 <= payload.num_samples <= max_samples:

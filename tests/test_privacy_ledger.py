@@ -14,7 +14,7 @@ import pytest
 
 from dadfl.client.data import site_dataset
 from dadfl.client.privacy_ledger import LEDGER_FILE, BudgetSpent, LedgerEntry, LedgerFile, PrivacyLedger, composed_epsilon, rdp_epsilon
-from dadfl.client.run_checks import RunRefused
+from dadfl.client.run_checks import PrivateRefusal, RunRefused
 from dadfl.privacy import epsilon, site_sample_rate
 from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.protos import coordinator_pb2_grpc as cpb_grpc
@@ -282,7 +282,9 @@ def test_a_site_whose_budget_refuses_an_upload_mid_run_says_why_and_the_step_goe
     records = [json.loads(line) for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["site_ids"] for r in records] == [["site-0", "site-1", "site-2"]] * 3 + [["site-1", "site-2"]] * 3
     assert all(r["attempt"] == 0 for r in records) and "aborted" not in caplog.text
-    assert "site site-0 leaves the run: one more step would take this site's records to" in caplog.text
+    # the site's own log has the ε; the server hears the fixed phrase, never the site's records or ε
+    assert f"site site-0 leaves the run: {PrivateRefusal.PUBLIC}" in caplog.text
+    assert "site site-0 leaves the run: one more step" not in caplog.text
     assert not (config.run_dir / "quarantine.json").exists() and "closing site site-0" not in caplog.text
     assert {s.fingerprint for s in summaries} == {records[-1]["fingerprint"]}
     [entry] = json.loads((state_dir / "0" / "site-0" / LEDGER_FILE).read_text())["entries"]
