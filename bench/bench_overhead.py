@@ -228,6 +228,9 @@ def run_dadfl(n_sites: int, steps: int) -> list[float]:
         finally:
             for process in sites:
                 process.wait(60)
+        failed = [process.returncode for process in sites if process.returncode != 0]
+        if failed:  # a site that crashed would still count in the CPU per site
+            raise RuntimeError(f"{len(failed)} of {n_sites} site processes ended with {failed[0]}")
         records = list(read_metrics(folder / "run" / "metrics.jsonl"))
     return [r["seconds"] for r in records[WARMUP:]]
 

@@ -767,13 +767,7 @@ class FlowerCoordinator:
             return self.screening.message(self.server_half, payloads, messages)[0]
         except Exception as exc:
             failure = f"{type(exc).__name__}: {exc}"
-
-        def fresh_half():
-            half = self.strategy.server(self.replica.layout, self.replica.model)
-            half.load_state_dict(start)
-            return half
-
-        breaking = self.screening.breaking(fresh_half, payloads, messages)
+        breaking = self.screening.breaking(start, payloads, messages)
         if not breaking or len(breaking) == len(payloads):
             raise FlowerRunError(f"step {step} phase {phase}: the {self.strategy.name} server half failed: {one_line(failure)}")
         self.refuse([self.nodes[index] for index in breaking], step, phase, f"the upload breaks the aggregated message ({one_line(failure)})")

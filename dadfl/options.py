@@ -15,6 +15,8 @@ from typing import Annotated, Any, Callable
 
 from pydantic import ConfigDict, Field, ValidationError, create_model
 
+from dadfl.sanitize import one_line
+
 log = logging.getLogger("dadfl.options")
 
 MAX_TEXT_CHARS = 256  # one string option
@@ -54,7 +56,7 @@ def factory_options(factory: Callable, options: dict[str, Any], what: str) -> di
     except Exception as exc:  # annotations that do not resolve: check names only, and say so
         log.warning(
             "%s: the annotations of %s do not resolve (%s: %s), so its options are checked by name only, not by type",
-            what, getattr(factory, "__qualname__", "the factory"), type(exc).__name__, str(exc)[:200],
+            what, getattr(factory, "__qualname__", "the factory"), type(exc).__name__, one_line(str(exc), 200),
         )
         hints = {}
     parameters = {

@@ -193,7 +193,7 @@ def _simulate(config: SimulationConfig, spec: StrategySpec, metrics: MetricsWrit
             **(strategy.describe(coordinator.layout, messages) if budget is None else {}),
         }
         evaluates = is_eval_step(step, config.eval_every, config.steps) or step + 1 == last_step  # the model released
-        if budget is not None and (evaluates or step + 1 == config.steps):
+        if budget is not None and evaluates:  # the last step is an eval step (is_eval_step)
             record["dp_epsilon"] = budget.epsilon(step + 1)
         if has_test and evaluates:
             record.update({f"test_{k}": v for k, v in coordinator.evaluate().items()})

@@ -710,12 +710,6 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             self._refuse(link, f"site {link.site_id}, step {step} phase {phase}: {reason}")
         return [upload for index, upload in enumerate(uploads) if index not in refused]
 
-    def _half_from(self, state: dict):
-        """A server half in ``state`` (the phase's start), for trying uploads without touching the real one."""
-        half = self.strategy.server(self.layout, self.replica.model)
-        half.load_state_dict(state)
-        return half
-
     async def _aggregate(self, uploads: list, step: int, phase: int, messages: list):
         """``(uploads, message, sent, update)``, dropping sites whose payload alone breaks the
         aggregation or the message; a reason (str) when the step must abort instead."""
@@ -729,7 +723,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                 self.server_half.load_state_dict(start)  # as at the phase's start, for the recomputation
                 failure = f"{type(exc).__name__}: {exc}"
             log.warning("step %d phase %d: the aggregated message fails (%s); trying each site's upload alone", step, phase, failure)
-            breaking = await self._off_loop(nbytes, self.screening.breaking, lambda: self._half_from(start), payloads, messages)
+            breaking = await self._off_loop(nbytes, self.screening.breaking, start, payloads, messages)
             offenders = [uploads[index][0] for index in breaking]
             if not offenders or len(offenders) == len(uploads):
                 return f"the {self.strategy.name} server half failed on phase {phase}: {failure}"

@@ -23,7 +23,7 @@ is synchronous and pure: a runtime may run it in a worker thread.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -116,20 +116,23 @@ class Screening:
         check_update(self.facts, update)
         return message, sent, update
 
-    def passes(self, half: Any, payloads: Sequence[Payload], messages: Sequence[Payload]) -> bool:
-        """Whether these uploads alone make a message every site can decode (``half`` is spent)."""
+    def passes(self, start: dict, payloads: Sequence[Payload], messages: Sequence[Payload]) -> bool:
+        """Whether these uploads alone make a message every site can decode, tried on a fresh
+        server half in ``start`` (the phase's start state) so the real one is untouched."""
+        half = self.strategy.server(self.replica.layout, self.replica.model)
+        half.load_state_dict(start)
         try:
             self.message(half, payloads, messages)
         except Exception:
             return False
         return True
 
-    def breaking(self, fresh_half: Callable[[], Any], payloads: Sequence[Payload], messages: Sequence[Payload]) -> list[int]:
+    def breaking(self, start: dict, payloads: Sequence[Payload], messages: Sequence[Payload]) -> list[int]:
         """The uploads (by index) that break the aggregated message: those that break it alone,
-        else (with 3 or more, fine alone but not together) those whose absence mends it.
-        ``fresh_half()`` gives a server half at the phase's start for each try."""
-        offenders = [i for i, payload in enumerate(payloads) if not self.passes(fresh_half(), [payload], messages)]
+        else (with 3 or more, fine alone but not together) those whose absence mends it; each
+        try starts from the server half's state ``start``."""
+        offenders = [i for i, payload in enumerate(payloads) if not self.passes(start, [payload], messages)]
         if not offenders and len(payloads) >= 3:
             others = lambda i: [p for j, p in enumerate(payloads) if j != i]  # noqa: E731
-            offenders = [i for i in range(len(payloads)) if self.passes(fresh_half(), others(i), messages)]
+            offenders = [i for i in range(len(payloads)) if self.passes(start, others(i), messages)]
         return offenders

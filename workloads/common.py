@@ -70,10 +70,14 @@ def two_hidden_mlp(inputs: int, hidden: int, classes: int) -> nn.Sequential:
     )
 
 
-def classification(name: str, make: Callable[[], nn.Module], seed: int, train: Split, test: Split, options: dict) -> Workload:
+def classification(
+    name: str, make: Callable[[], nn.Module], seed: int, train: Split, test: Split, options: dict,
+    metric_name: str = "accuracy", label_skew: bool = True,
+) -> Workload:
     """A classification workload: per-sample cross-entropy, accuracy, the training labels for
-    label-skewed partitions, and ``make`` built bit-identically from ``seed``."""
+    label-skewed partitions (``label_skew``: targets are one class per sample), and ``make``
+    built bit-identically from ``seed``."""
     return Workload(
         name=name, build_model=seeded_builder(seed, make), train=train, test=test, loss=per_sample_cross_entropy,
-        metric=accuracy, labels=train.targets, options=options,
+        metric=accuracy, metric_name=metric_name, labels=train.targets if label_skew else None, options=options,
     )

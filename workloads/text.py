@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Callable
 
 import numpy as np
 import torch
@@ -20,7 +19,7 @@ from pydoc_data.topics import topics
 from torch import nn
 
 from .base import Split, Workload
-from .common import accuracy, check_positive, check_test_fraction, per_sample_cross_entropy, seeded_builder
+from .common import check_positive, check_test_fraction, classification
 
 UNKNOWN_ID = 0
 
@@ -177,19 +176,7 @@ class CharTransformer(nn.Module):
         return self.head(self.final_norm(self.blocks(x)))
 
 
-def _workload(
-    name: str, make: Callable[[], nn.Module], train: Split, test: Split, seed: int, options: dict
-) -> Workload:
-    return Workload(
-        name=name,
-        build_model=seeded_builder(seed, make),
-        train=train,
-        test=test,
-        loss=per_sample_cross_entropy,
-        metric=accuracy,
-        metric_name="next-character accuracy",
-        options=options,
-    )
+METRIC_NAME = "next-character accuracy"
 
 
 def gru(
@@ -208,7 +195,10 @@ def gru(
         "seq_len": seq_len, "embed": embed, "hidden": hidden, "seed": seed,
         "max_sequences": max_sequences, "test_fraction": test_fraction, "min_char_count": min_char_count,
     }
-    return _workload("char-gru", lambda: CharGRU(vocab_size, embed, hidden), train, test, seed, options)
+    return classification(
+        "char-gru", lambda: CharGRU(vocab_size, embed, hidden), seed, train, test, options,
+        metric_name=METRIC_NAME, label_skew=False,  # a target per character: no one class per sample
+    )
 
 
 def transformer(
@@ -230,8 +220,7 @@ def transformer(
         "seq_len": seq_len, "d_model": d_model, "heads": heads, "layers": layers, "seed": seed,
         "max_sequences": max_sequences, "test_fraction": test_fraction, "min_char_count": min_char_count,
     }
-    return _workload(
-        "char-transformer",
-        lambda: CharTransformer(vocab_size, seq_len, d_model, heads, layers),
-        train, test, seed, options,
+    return classification(
+        "char-transformer", lambda: CharTransformer(vocab_size, seq_len, d_model, heads, layers), seed, train, test, options,
+        metric_name=METRIC_NAME, label_skew=False,
     )
