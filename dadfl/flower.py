@@ -633,6 +633,7 @@ class StepResult:
     bytes_down: int
     phase_seconds: list[float]
     fingerprints: dict[int, str]  # by node id, after the step
+    update: dict[str, torch.Tensor]  # decoded from the messages as the nodes decode them, checked
 
 
 class FlowerCoordinator:
@@ -676,7 +677,7 @@ class FlowerCoordinator:
                     raise FlowerRunError(f"step {step}: nodes kept losing their state after {attempt} attempts")
                 result = self.run_step(step, attempt)
                 attempt += 1
-            self.fingerprint = self.replica.apply(result.messages)
+            self.fingerprint = self.replica.apply_update(result.update)
             elapsed = time.perf_counter() - started
             mismatched = [str(node) for node, fp in result.fingerprints.items() if fp != self.fingerprint]
             if mismatched:
@@ -725,8 +726,8 @@ class FlowerCoordinator:
         phase_seconds, bytes_up, bytes_down = [], 0, 0
         while True:
             bytes_up += sum(p.nbytes() for p in payloads)
-            message = self.aggregate(step, payloads, messages)
-            messages.append(message)
+            message, sent, update = self.aggregate(step, payloads, messages)
+            messages.append(sent)  # what every node decodes
             bytes_down += message.nbytes() * len(self.nodes)
             content = payload_content(message, attempt=attempt)
             replies = self.round(step, attempt, message.phase + 1, PHASE_MESSAGE, lambda _: content)
@@ -737,7 +738,7 @@ class FlowerCoordinator:
             statuses = {reply.status for reply in replies}
             if statuses == {DONE}:
                 fingerprints = {node: reply.fields["fingerprint"] for node, reply in zip(self.nodes, replies)}
-                return StepResult(messages, samples, loss_sum, bytes_up, bytes_down, phase_seconds, fingerprints)
+                return StepResult(messages, samples, loss_sum, bytes_up, bytes_down, phase_seconds, fingerprints, update)
             if statuses != {PAYLOAD}:
                 raise FlowerRunError(f"step {step}: nodes disagree on the number of phases ({sorted(statuses)})")
             payloads = self.uploads(step, attempt, message.phase + 1, replies, messages)
@@ -759,12 +760,13 @@ class FlowerCoordinator:
             self.refuse(self.nodes[index], step, phase, reason)
         return payloads
 
-    def aggregate(self, step: int, payloads: list[Payload], messages: list[Payload]) -> Payload:
-        """The phase's message, checked as every node will decode it; a message that would
-        fail at a node stops the run, naming the nodes whose uploads break it."""
+    def aggregate(self, step: int, payloads: list[Payload], messages: list[Payload]) -> tuple[Payload, Payload, dict]:
+        """The phase's message, as nodes receive it and the update it decodes to after this
+        phase (``Screening.message``); a message that would fail at a node stops the run,
+        naming the nodes whose uploads break it."""
         phase, start = payloads[0].phase, self.server_half.state_dict()
         try:
-            return self.screening.message(self.server_half, payloads, messages)[0]
+            return self.screening.message(self.server_half, payloads, messages)
         except Exception as exc:
             failure = f"{type(exc).__name__}: {exc}"
         breaking = self.screening.breaking(start, payloads, messages)
