@@ -163,16 +163,17 @@ class PrivacyLedger:
         A δ so large that the conversion goes negative never counts as spent."""
         return max(composed_epsilon(history, self.budget[1]), 0.0)  # NaN stays NaN: refused, never 0
 
-    def _history(self, steps: dict, leave_out_run: str | None = None) -> list[tuple[float, float, int]]:
-        return [(sigma, q, count) for (run_id, sigma, q), count in steps.items() if run_id != leave_out_run]
+    def _history(self, leave_out_run: str | None = None) -> list[tuple[float, float, int]]:
+        return [(sigma, q, count) for (run_id, sigma, q), count in self.steps.items() if run_id != leave_out_run]
 
     def admit(self, run_id: str, noise_multiplier: float, sample_rate: float, steps: int) -> None:
         """Refuse a run whose planned steps, on top of what the other runs spent, pass the budget."""
         if self.budget is None:
             return
         limit, delta = self.budget
-        earlier = self.epsilon(self._history(self.steps, leave_out_run=run_id))
-        planned = self.epsilon(self._history(self.steps, leave_out_run=run_id) + [(noise_multiplier, sample_rate, steps)])
+        history = self._history(leave_out_run=run_id)
+        earlier = self.epsilon(history)
+        planned = self.epsilon(history + [(noise_multiplier, sample_rate, steps)])
         log.info("privacy ledger: this site's records have spent ε = %.4g (δ = %g) in earlier runs", earlier, delta)
         if not planned <= limit:
             raise BudgetSpent(
@@ -194,7 +195,7 @@ class PrivacyLedger:
         if self.budget is not None:
             limit, delta = self.budget
             if self.rdp is None:
-                self.rdp = composed_rdp(self._history(self.steps))
+                self.rdp = composed_rdp(self._history())
             rdp = [spent + step for spent, step in zip(self.rdp, _rdp_per_step(noise_multiplier, sample_rate))]
             total = max(rdp_epsilon(rdp, delta), 0.0)  # NaN stays NaN: refused
             if not total <= limit:

@@ -199,13 +199,17 @@ class Session:
             self.pending_done = None
         self.outgoing.append(message)
 
+    def send_owed_done(self) -> None:
+        """Send on its own the done that was to ride with the next upload, if one is owed."""
+        if self.pending_done is not None:
+            self.send(step_done=self.pending_done)
+            self.pending_done = None
+
     def leave(self, reason: str) -> None:
         """Replace what the failed handling left to send by the done this site still owes (the
         step it applied stands: the server commits it rather than abort it) and ``leaving``."""
         self.outgoing = []
-        if self.pending_done is not None:
-            self.send(step_done=self.pending_done)
-            self.pending_done = None
+        self.send_owed_done()
         self.send(leaving=cpb.Leaving(reason=reason[:REASON_CHARS]))  # the server escapes it for its log
 
     def handle(self, message: cpb.ServerMessage) -> bool:
@@ -266,9 +270,7 @@ class Session:
                 # A Poisson draw with no sample (chance about e^-batch_size) or far above the batch: nothing to
                 # send; the server goes on without this site once the phase times out.
                 log.warning("step %d: the Poisson draw holds %d samples; this site sits the step out", begin.step, len(targets))
-                if self.pending_done is not None:  # the step before still needs this site's done
-                    self.send(step_done=self.pending_done)
-                    self.pending_done = None
+                self.send_owed_done()  # the step before still needs this site's done
                 return
             local = run.replica.local(inputs, targets)
         else:

@@ -50,7 +50,7 @@ def test_the_ledger_counts_on_disk_and_refuses_the_step_past_the_budget(tmp_path
     # A second run composes with the first; the budget lets exactly three of its steps through.
     limit = composed_epsilon([(1.0, 0.05, 5), (1.2, 0.04, 3)], 1e-5) * (1 + 1e-9)
     reopened = PrivacyLedger.of_site(tmp_path, "site-a", budget=(limit, 1e-5))
-    assert reopened.epsilon(reopened._history(reopened.steps)) == pytest.approx(epsilon(1.0, 0.05, 5, 1e-5), rel=1e-12)
+    assert reopened.epsilon(reopened._history()) == pytest.approx(epsilon(1.0, 0.05, 5, 1e-5), rel=1e-12)
     with pytest.raises(BudgetSpent, match="would reach ε = .* above privacy.max_epsilon"):
         reopened.admit("run2", 1.2, 0.04, 4)
     reopened.admit("run2", 1.2, 0.04, 3)
