@@ -108,7 +108,6 @@ from dadfl.server.config import FederationConfig, WireConfig
 from dadfl.server.screening import Screening
 from dadfl.server.validate import PayloadError, check_protocol
 from dadfl.strategies import Payload, make_strategy, weights_fingerprint
-from dadfl.strategies.checks import quote
 from dadfl.workloads import Split, StepBatches, Workload, load_workload, partition, site_batches
 
 from .config import load_config, validate_config
@@ -232,7 +231,7 @@ def read_reply(content: RecordDict, upload_dtypes: Callable[[], dict[str, set[to
     header, arrays = read_records(content, TENSORS)
     status = header.get("status")
     if not isinstance(status, str) or status not in REPLY_FIELDS:
-        shown = quote(status) if isinstance(status, str) else f"of type {type(status).__name__}"
+        shown = printable(status) if isinstance(status, str) else f"of type {type(status).__name__}"
         raise Refused(f"unknown status {shown}; expected one of {', '.join(REPLY_FIELDS)}")
     fields = read_fields(header, {"status": str, **REPLY_FIELDS[status]}, f" in a {status!r} reply")
     del fields["status"]
@@ -253,7 +252,7 @@ def read_records(content: RecordDict, tensors: str) -> tuple[ConfigRecord, Array
     expected = {HEADER} | ({tensors} & set(content.array_records))
     extra = sorted(set(content) - expected)
     if extra:
-        raise Refused(f"unexpected record {quote(extra[0])}")
+        raise Refused(f"unexpected record {printable(extra[0])}")
     header = content.config_records.get(HEADER)
     if header is None:
         raise Refused(f"no {HEADER!r} config record")
@@ -264,7 +263,7 @@ def read_fields(header: ConfigRecord, wanted: dict[str, type], where: str = "") 
     """Exactly the ``wanted`` header fields, each of its type and within its bound."""
     unknown = sorted(set(header) - set(wanted))
     if unknown:
-        raise Refused(f"unexpected header field {quote(unknown[0])}{where}")
+        raise Refused(f"unexpected header field {printable(unknown[0])}{where}")
     return {name: _field(header, name, kind) for name, kind in wanted.items()}
 
 
@@ -276,7 +275,7 @@ def read_tensors(
     arrays = arrays if arrays is not None else {}
     for key in arrays:
         if dtypes_of(key) is None:
-            raise Refused(f"unexpected tensor {quote(key)}")
+            raise Refused(f"unexpected tensor {printable(key)}")
     total = sum(len(array.data) if isinstance(array.data, bytes) else 0 for array in arrays.values())
     if total > max_bytes:
         raise Refused(f"payload of {total} bytes exceeds the limit of {max_bytes} bytes ({limit})")

@@ -39,6 +39,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from dadfl.sanitize import printable
+
 from .base import BUFFER_ROLE, GRAD_ROLE, IDS_ROLE, ROWS_ROLE, Payload, split_key, tensor_key
 from .capture import LOOKUP, id_dtype
 from .layout import CapturedLayer, Layout
@@ -46,15 +48,6 @@ from .layout import CapturedLayer, Layout
 ROWS = "rows"
 RANK = "rank"
 LOOKUPS = "lookups"
-MAX_ECHO = 80  # characters of a site-supplied name that a reason may quote
-
-
-def quote(text: str) -> str:
-    """A site-supplied name, safe to put in a log line: escaped and length-limited."""
-    shown = repr(text[:MAX_ECHO])
-    return shown if len(text) <= MAX_ECHO else shown + "…"
-
-
 @dataclass(frozen=True)
 class Spec:
     shape: tuple[int | str, ...]
@@ -176,7 +169,7 @@ def check_payload(units: Sequence[Unit], payload: Payload) -> str | None:
             return f"{unit.name} ({complete[0].name}): {reason}"
     extra = sorted(keys - claimed)
     if extra:
-        return f"unexpected tensor {quote(extra[0])}" + (f" and {len(extra) - 1} more" if len(extra) > 1 else "")
+        return f"unexpected tensor {printable(extra[0])}" + (f" and {len(extra) - 1} more" if len(extra) > 1 else "")
     return None
 
 
@@ -363,7 +356,7 @@ def check_update(facts: ModelFacts, update: dict[str, torch.Tensor]) -> None:
         name, role = split_key(key)
         known = facts.buffers.get(name) if role == BUFFER_ROLE else facts.params.get(key)
         if known is None:
-            raise ValueError(f"the update names {quote(key)}, which the model does not have")
+            raise ValueError(f"the update names {printable(key)}, which the model does not have")
         if tuple(tensor.shape) != known[0]:
             raise ValueError(f"the update of {key!r} has shape {tuple(tensor.shape)}, the model's is {known[0]}")
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
