@@ -135,7 +135,33 @@ class PrivacyPolicy(StrictModel):
         return self
 
 
-class SiteConfig(StrictModel):
+class RunPolicy(StrictModel):
+    """What a party that runs a coordinator's workloads holds its runs to (``run_checks.py``):
+    a gRPC site's config, a Flower node's policy (``dadfl/flower_policy.py``)."""
+
+    workload_path: list[Path] = Field(default_factory=list, description="folders searched for the site's own code that is not installed: workload modules, data.factory")
+    allowed_workloads: list[str] = Field(
+        default_factory=lambda: list(BUILTIN),
+        description="workloads this site runs: built-in names, 'package.module:factory' specs, or module "
+        "prefixes ending in '.' ('hospital_wl.' allows every factory under hospital_wl); anything else the "
+        "coordinator names is refused before it is imported",
+    )
+    limits: RunLimits = RunLimits()
+    privacy: PrivacyPolicy = PrivacyPolicy()
+
+    @field_validator("allowed_workloads")
+    @classmethod
+    def _workload_entries(cls, entries: list[str]) -> list[str]:
+        for entry in entries:
+            if entry not in BUILTIN and not re.match(WORKLOAD_SPEC, entry) and not re.match(MODULE_PREFIX, entry):
+                raise ValueError(
+                    f"{entry!r} is neither a built-in workload ({', '.join(BUILTIN)}), a 'package.module:factory' "
+                    "spec nor a module prefix ending in '.' (e.g. 'hospital_wl.')"
+                )
+        return entries
+
+
+class SiteConfig(RunPolicy):
     site_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
     token: str = Field(min_length=16)
     connect: ConnectConfig
@@ -149,15 +175,6 @@ class SiteConfig(StrictModel):
         "The states derive from the site's gradients: keep the folder as private as the data",
     )
     evaluation: EvaluationData | None = Field(None, description="held-out data for federated evaluation; none: this site does not evaluate")
-    workload_path: list[Path] = Field(default_factory=list, description="folders searched for the site's own code that is not installed: workload modules, data.factory")
-    allowed_workloads: list[str] = Field(
-        default_factory=lambda: list(BUILTIN),
-        description="workloads this site runs: built-in names, 'package.module:factory' specs, or module "
-        "prefixes ending in '.' ('hospital_wl.' allows every factory under hospital_wl); anything else the "
-        "coordinator names is refused before it is imported",
-    )
-    limits: RunLimits = RunLimits()
-    privacy: PrivacyPolicy = PrivacyPolicy()
 
     @field_validator("device")
     @classmethod
@@ -165,14 +182,3 @@ class SiteConfig(StrictModel):
         if not re.match(DEVICE, device):
             raise ValueError("use 'auto' (CUDA when present), 'cpu', 'cuda', 'cuda:N' or 'mps'")
         return device
-
-    @field_validator("allowed_workloads")
-    @classmethod
-    def _workload_entries(cls, entries: list[str]) -> list[str]:
-        for entry in entries:
-            if entry not in BUILTIN and not re.match(WORKLOAD_SPEC, entry) and not re.match(MODULE_PREFIX, entry):
-                raise ValueError(
-                    f"{entry!r} is neither a built-in workload ({', '.join(BUILTIN)}), a 'package.module:factory' "
-                    "spec nor a module prefix ending in '.' (e.g. 'hospital_wl.')"
-                )
-        return entries

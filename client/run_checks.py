@@ -17,7 +17,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Sequence
 
 import torch
 from pydantic import ValidationError
@@ -31,7 +31,7 @@ from dadfl.sanitize import printable
 from dadfl.strategies import STRATEGIES, Strategy, make_strategy
 from dadfl.workloads import BUILTIN, Workload, load_workload
 
-from .config import WORKLOAD_SPEC, PrivacyPolicy, RunLimits
+from .config import WORKLOAD_SPEC, PrivacyPolicy, RunLimits, RunPolicy
 
 MAX_OPTIONS_CHARS = 64 << 10  # one JSON field of the run config
 MAX_OPTIONS_DEPTH = 4  # nesting of option values (a JSON bomb nests thousands deep)
@@ -50,14 +50,6 @@ class PrivateRefusal(RunRefused):
     records spent over every run): they stay in the site's log, the server hears ``PUBLIC``."""
 
     PUBLIC = "its privacy budget or its number of records refuses this run's [dp]; the site's log says why"
-
-
-class RunPolicy(Protocol):
-    """What the checks read of a site's rules: a gRPC site's ``SiteConfig``, a Flower node's ``NodePolicy``."""
-
-    allowed_workloads: list[str]
-    limits: RunLimits
-    privacy: PrivacyPolicy
 
 
 @dataclass(frozen=True)

@@ -31,19 +31,18 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Mapping
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import ValidationError
 
-from dadfl.client.config import DEVICE, PrivacyPolicy, RunLimits, SiteConfig
+from dadfl.client.config import DEVICE, RunPolicy
 from dadfl.client.run_checks import MAX_OPTIONS_CHARS, MIN_CHUNK_BYTES, CheckedRun, RunRefused, build_workload, check_run_config
-from dadfl.config import StrictModel, validate_config
+from dadfl.config import validate_config
 from dadfl.options import validation_summary
 from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.sanitize import one_line, printable
 from dadfl.simulation import SimulationConfig, StrategySpec
-from dadfl.workloads import BUILTIN, Workload
+from dadfl.workloads import Workload
 
 # The settings JSON carries three option objects (each at most MAX_OPTIONS_CHARS) and scalars.
 MAX_SETTINGS_CHARS = 4 * MAX_OPTIONS_CHARS
@@ -51,18 +50,8 @@ POLICY_TABLES = ("limits", "privacy")
 RAW_CODEC = "none"  # Flower carries exact .npy arrays
 
 
-class NodePolicy(StrictModel):
-    """A node's rules for the server's runs: the fields of a gRPC site config of the same names."""
-
-    allowed_workloads: list[str] = Field(default_factory=lambda: list(BUILTIN))
-    workload_path: list[Path] = Field(default_factory=list, description="folders searched for the node's own workload code")
-    limits: RunLimits = RunLimits()
-    privacy: PrivacyPolicy = PrivacyPolicy()
-
-    @field_validator("allowed_workloads")
-    @classmethod
-    def _workload_entries(cls, entries: list[str]) -> list[str]:
-        return SiteConfig._workload_entries(entries)
+class NodePolicy(RunPolicy):
+    """A node's rules for the server's runs: the fields a gRPC site config holds its runs to."""
 
     @classmethod
     def from_node_config(cls, node_config: Mapping[str, Any]) -> "NodePolicy":
