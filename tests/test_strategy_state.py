@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import io
+import os
 
 import pytest
 import torch
@@ -138,3 +139,30 @@ def test_site_states_on_disk_are_per_site_and_run_bounded_and_survive_a_new_proc
     odd = HalfStates(tmp_path, "site-a", "../escape", cpu)  # not a plain name: memory only
     odd.save(1, {})
     assert odd.folder is None and not (tmp_path.parent / "escape").exists()
+
+
+def test_site_state_files_are_written_over_not_remade_and_a_damaged_or_misnamed_one_reads_as_lost(tmp_path):
+    from dadfl.client.half_states import HalfStates
+
+    cpu = torch.device("cpu")
+    states = HalfStates(tmp_path, "site-a", "run1", cpu)
+    state = {"error/w": torch.arange(6.0).reshape(2, 3), "rng/cpu": torch.Generator().get_state()}
+    inodes = set()
+    for step in range(1, 12):
+        states.save(step, {**state, "error/w": state["error/w"] + step})
+        states.keep_only({1, step - 1, step})
+        inodes.add((states.folder / f"half-{step}.pt").stat().st_ino)
+    files = sorted(p.name for p in states.folder.iterdir())
+    assert files == ["half-1.pt", "half-10.pt", "half-11.pt", "spare-9"], files
+    assert len(inodes) <= 5, "after the first steps every save writes over a dropped file"
+    again = HalfStates(tmp_path, "site-a", "run1", cpu)  # a restarted site process
+    loaded = again.load(11)
+    assert torch.equal(loaded["error/w"], state["error/w"] + 11) and torch.equal(loaded["rng/cpu"], state["rng/cpu"])
+    damaged = bytearray((again.folder / "half-10.pt").read_bytes())
+    damaged[-40] ^= 1  # one bit of a tensor
+    (again.folder / "half-10.pt").write_bytes(bytes(damaged))
+    assert again.load(10) is None
+    os.replace(again.folder / "half-11.pt", again.folder / "half-7.pt")  # a file under another step's name
+    assert HalfStates(tmp_path, "site-a", "run1", cpu).load(7) is None
+    again.save(12, {})  # a stateless half's empty state is a state too
+    assert HalfStates(tmp_path, "site-a", "run1", cpu).load(12) == {}
