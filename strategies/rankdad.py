@@ -16,9 +16,14 @@ step, one round trip, per compressed matrix:
     replicas:  update = (N·P̂) Q̂ᵀ / N                        (``decode``, one shared function)
 
 Sending n_s·P̃_s keeps the n_s/N weights: every replica's Σ P Qᵀ / N is the weighted
-mean of the sites' approximations. The passes apply M_s v = Δ_sᵀ(A_s v)/n_s + e_s v and
-never form Δ_sᵀ A_s; the memory update needs the dense residual (m × k per matrix,
-local to the site, one O(n·m·k) product per step). With ``reduce_on_server=False`` the
+mean of the sites' approximations. The memory update needs M_s dense (m × k per matrix,
+local to the site), so the site forms it once, from autograd's gradient (the layout's probe
+checked that it equals Δ_sᵀ A_s), and runs the passes on it: 4·m·k·r' flops per pass,
+where applying M_s v = Δ_sᵀ(A_s v)/n_s + e_s v takes 2·(n·(k + m) + m·k)·r' and the
+residual then needs Δ_sᵀ A_s all the same. The server forms X once the same way. Measured
+on the wide MLP (``python -m bench.bench_compute``, r=2, one thread): the site half 4.3 →
+2.2 ms per step (PowerSGD's: 2.4 ms), the server's 3.6 → 2.7 ms. Without error feedback
+nothing is dense and the passes never form Δ_sᵀ A_s. With ``reduce_on_server=False`` the
 server concatenates the factors instead (rank ≤ S·r down, nothing dropped, no server
 memory).
 
@@ -49,9 +54,9 @@ final accuracy (300 steps) rises from 41.4% to 42.2% at r=1, 45.6% to 46.1% at r
 stays 48.8% / 48.7% at r=4. A Q̂ of the wrong shape (concatenated factors, ``tol``
 dropping components) or not finite is ignored: the site keeps its own.
 
-**Embeddings.** A captured embedding table (tied to a head or not) is power-iterated on
-its lookups by gather/scatter (``power_iteration.Lookups``), never forming the one-hot
-or the table's gradient for the power step.
+**Embeddings.** Without error feedback a captured embedding table (tied to a head or not)
+is power-iterated on its lookups by gather/scatter (``power_iteration.Lookups``), never
+forming the one-hot or the table's gradient; with it, the table's memory is dense anyway.
 
 **Other matrices.** Matrix-shaped parameters that no factor capture covers (learned
 positions, raw ``nn.Parameter`` matrices, weights the probe sends dense), viewed as
@@ -86,9 +91,10 @@ S sites), one round trip per step:
     up   = G·r'·(k + m) + G·m (bias)                           per site
     down = G·r'·(k + m) + G·m     with reduce_on_server (default)
          = G·S·r'·(k + m) + G·m   concatenated factors
-Compute per site and step: ``iterations`` × 2·G·(n·(k + m) + m·k)·r' for the passes,
-G·n·m·k for the residual; memory: G·m·k floats per matrix at each site and, with
-re-reduction, at the server.
+Compute per site and step, with error feedback: ``iterations`` × 4·G·m·k·r' for the passes
+and 2·G·m·k·r' for the residual, on autograd's gradient; without: ``iterations`` ×
+2·G·n·(k + m)·r'. Memory: G·m·k floats per matrix at each site and, with re-reduction, at
+the server.
 
 Reveals: to the server (and, through the downlink, to every site) each site's
 rank-r approximation of its gradient plus memory, and its exact bias gradient — less
@@ -197,12 +203,18 @@ def plan(layout: Layout, rank: int, raw_input: str) -> Plan:
     return Plan(tuple(matrices), dense_layers, tuple(dense_params))
 
 
-def residual(M: torch.Tensor, memory: torch.Tensor | None, result: LowRank) -> torch.Tensor:
-    """The new error memory (M + memory) − P Qᵀ, written into M, which the caller made for it:
-    the same sums without two more m × k tensors per step (fresh ones cost page faults)."""
-    if memory is not None:
-        M.add_(memory)
-    return M.sub_(result.dense())
+def with_memory(G: torch.Tensor, scale: float, memory: torch.Tensor | None) -> torch.Tensor:
+    """A new M = scale·G + memory (G, m, k), in one pass over the memory."""
+    return G * scale if memory is None else torch.add(memory, G, alpha=scale)
+
+
+def compress_dense(M: torch.Tensor, rank: int, keep_residual: bool, **passes) -> tuple[LowRank, torch.Tensor | None]:
+    """Rank-``rank`` factors of a dense M (G, m, k) and, with ``keep_residual``, the new error
+    memory M − P Qᵀ written into M, which the caller made for it (no second m × k tensor)."""
+    result = dense_power_iteration(M, rank, **passes)
+    if not keep_residual:
+        return result, None
+    return result, M.baddbmm_(result.P, result.Q.transpose(1, 2), alpha=-1)
 
 
 class _Generators:
@@ -293,38 +305,35 @@ class RankDADSite:
         options, state = self.options, self.state
         memory = state.errors.get(target.key) if options.error_feedback else None
         shape = (target.groups, target.m, target.k)
-        common = dict(
-            iterations=options.iterations, warm_start=state.warm.get(target.key), tol=options.tol,
-        )
-        if target.layer is not None:
-            factors = local.factors.get(target.key)
-            if factors is None:
-                # Not called this step: its gradient (if any) plus what the memory holds travels
-                # dense, which empties the memory.
-                grad = local.grads.get(target.weight)
-                if memory is not None:
-                    grad = n * memory.reshape(target.weight_shape) + (0 if grad is None else grad)
-                state.errors.pop(target.key, None)
-                return {} if grad is None else {tensor_key(target.weight, GRAD_ROLE): grad}
-            # An embedding's lookups enter by gather/scatter, never as a one-hot matrix.
+        passes = dict(iterations=options.iterations, warm_start=state.warm.get(target.key), tol=options.tol)
+        factors = local.factors.get(target.key) if target.layer is not None else None
+        grad = local.grads.get(target.weight)
+        if target.layer is not None and factors is None:
+            # Not called this step: its gradient (if any) plus what the memory holds travels
+            # dense, which empties the memory.
+            if memory is not None:
+                grad = n * memory.reshape(target.weight_shape) + (0 if grad is None else grad)
+            state.errors.pop(target.key, None)
+            return {} if grad is None else {tensor_key(target.weight, GRAD_ROLE): grad}
+        if factors is not None and not options.error_feedback:
+            # Without memory the passes need only A and Δ: Dᵀ A is never formed.
             lookups = None if factors.ids is None else Lookups(factors.ids, factors.rows, target.m)
             generator = state.generators.on((factors.A if factors.A is not None else factors.rows).device)
             result = power_iteration(factors.A, factors.D, options.rank, generator=generator, scale=1.0 / n,
-                                     memory=memory, lookups=lookups, **common)
-            if options.error_feedback:  # the dense residual: local, never sent
-                M = layer_gradient(target.layer, factors.tensors(target.key))[0].reshape(shape).div_(n)
-                state.errors[target.key] = residual(M, memory, result)
+                                     lookups=lookups, **passes)
         else:
-            grad = local.grads.get(target.weight)
+            # The memory update needs M dense, so the passes run on it: the gradient is
+            # autograd's (the probe checked it equals Dᵀ A), or rebuilt from the factors.
+            if grad is None and factors is not None:
+                grad = layer_gradient(target.layer, factors.tensors(target.key))[0]
             if grad is None:  # this batch did not reach it: a zero gradient, as PowerSGD counts it
                 like = memory if memory is not None else next(iter(local.grads.values()), None)
                 grad = torch.zeros(target.weight_shape) if like is None else like.new_zeros(target.weight_shape)
-            M = grad.reshape(shape) / n
-            if memory is not None:
-                M.add_(memory)
-            result = dense_power_iteration(M, options.rank, generator=state.generators.on(M.device), **common)
-            if options.error_feedback:
-                state.errors[target.key] = residual(M, None, result)
+            M = with_memory(grad.reshape(shape), 1.0 / n, memory)
+            result, residual = compress_dense(M, options.rank, options.error_feedback,
+                                              generator=state.generators.on(M.device), **passes)
+            if residual is not None:
+                state.errors[target.key] = residual
         if options.warm_start:
             state.warm[target.key] = result.Q
         return target.factors(result.P * n, result.Q)
@@ -399,13 +408,15 @@ class RankDADServer:
         Ps, Qs = [f[0] for f in factors], [f[1] for f in factors]
         if not options.reduce_on_server or (memory is None and sum(P.shape[-1] for P in Ps) <= options.rank):
             return target.factors(torch.cat(Ps, dim=2), torch.cat(Qs, dim=2))
-        result = reduce_sum(
-            Ps, Qs, options.rank, iterations=options.iterations, warm_start=state.warm.get(target.key),
-            generator=state.generators.on(Ps[0].device), tol=options.tol, scale=1.0 / total, memory=memory,
-        )
-        if options.error_feedback:
-            X = torch.bmm(torch.cat(Ps, dim=2), torch.cat(Qs, dim=2).transpose(1, 2)).div_(total)
-            state.errors[target.key] = residual(X, memory, result)
+        generator = state.generators.on(Ps[0].device)
+        passes = dict(iterations=options.iterations, warm_start=state.warm.get(target.key), tol=options.tol)
+        if options.error_feedback:  # the memory update needs X dense, so the passes run on it
+            P, Q = torch.cat(Ps, dim=2), torch.cat(Qs, dim=2)
+            X = torch.baddbmm(memory, P, Q.transpose(1, 2), alpha=1.0 / total) if memory is not None else (
+                torch.bmm(P, Q.transpose(1, 2)).div_(total))
+            result, state.errors[target.key] = compress_dense(X, options.rank, True, generator=generator, **passes)
+        else:
+            result = reduce_sum(Ps, Qs, options.rank, generator=generator, scale=1.0 / total, **passes)
         if options.warm_start:
             state.warm[target.key] = result.Q
         return target.factors(result.P * total, result.Q)
