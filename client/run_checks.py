@@ -94,7 +94,7 @@ def check_run_config(config: cpb.RunConfig, site: RunPolicy, max_chunk_bytes: in
         raise RunRefused(f"the coordinator's optimizer is not valid: {validation_summary(exc)}") from None
     bound("batch_size", config.batch_size, 1, limits.max_batch_size, "limits.max_batch_size")
     # A step of a strategy with local steps (FedAvg, DiLoCo) reads one batch per inner step.
-    bound("batch_size × local steps", config.batch_size * len(strategy.batch_indices(0)), 1, limits.max_batch_size, "limits.max_batch_size")
+    bound("batch_size × local steps", config.batch_size * strategy.batches_per_step(), 1, limits.max_batch_size, "limits.max_batch_size")
     bound("steps", config.steps, 1, limits.max_steps, "limits.max_steps")
     bound("max_payload_bytes", config.max_payload_bytes, MIN_CHUNK_BYTES, limits.max_payload_bytes, "limits.max_payload_bytes")
     bound("chunk_bytes", config.chunk_bytes, MIN_CHUNK_BYTES, max_chunk_bytes, None)

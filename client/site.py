@@ -59,7 +59,7 @@ log = logging.getLogger("dadfl.site")
 
 MAX_CHUNK_BYTES = 4 << 20  # the largest chunk_bytes a server config allows
 # A step's work is measured as model bytes × the batches the step trains on (the strategy's
-# batch_indices: 1 for one-batch strategies, H for FedAvg/DiLoCo's H local steps), since a
+# batches_per_step: 1 for one-batch strategies, H for FedAvg/DiLoCo's H local steps), since a
 # forward/backward costs about the same per model byte. A step under INLINE_BYTES runs on the
 # event loop, where a hop to a thread would cost more than the step; one at or over it runs in
 # a worker thread, so it does not stall every other stream on the loop.
@@ -77,7 +77,7 @@ def step_work_bytes(replica: Replica) -> int:
     """The work of one step, as ``INLINE_BYTES`` measures it: the model's parameter bytes times
     the batches one step trains on."""
     model_bytes = sum(p.numel() * p.element_size() for p in replica.model.parameters())
-    return model_bytes * len(replica.strategy.batch_indices(0))
+    return model_bytes * replica.strategy.batches_per_step()
 
 
 class SiteRefused(RuntimeError):

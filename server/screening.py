@@ -60,7 +60,7 @@ class Screening:
 
     def max_samples(self, batch_size: int, step: int) -> int:
         """The most samples an upload of ``step`` may claim: a batch per local step it trains on."""
-        return batch_size * len(self.strategy.batch_indices(step))
+        return batch_size * self.strategy.batches_per_step(step)
 
     def upload_dtypes(self, step: int, phase: int) -> dict[str, set[torch.dtype]] | None:
         """The tensor keys an upload of this phase may carry, with their dtypes (None: the phase

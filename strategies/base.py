@@ -232,6 +232,11 @@ class Strategy:
         round's H batches for a strategy with local steps (``local_steps.py``)."""
         return range(step, step + 1)
 
+    def batches_per_step(self, step: int = 0) -> int:
+        """How many batches ``step`` trains on (``batch_indices``' length): what a step's sample
+        count (× batch size) and its work (× model bytes) are bounded by."""
+        return len(self.batch_indices(step))
+
     def outer_optimizer(self, params) -> "torch.optim.Optimizer | None":
         """The optimizer every replica applies the update with, when the strategy defines
         it (FedAvg, DiLoCo); None: the run's ``[optimizer]``."""
