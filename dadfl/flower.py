@@ -103,7 +103,7 @@ from dadfl.client.run_checks import RunRefused
 from dadfl.protos import tensor_pb2 as pb
 from dadfl.protos.codec import DTYPES, MAX_DIMS, Assembled
 from dadfl.protos.state import MODEL_PREFIX, OPTIM_PREFIX, load_state, state_payload
-from dadfl.sanitize import one_line, printable
+from dadfl.sanitize import REASON_CHARS, one_line, printable
 from dadfl.server.config import FederationConfig, WireConfig
 from dadfl.server.screening import Screening
 from dadfl.server.validate import PayloadError, check_protocol
@@ -175,8 +175,7 @@ def tensors_from_record(record: ArrayRecord) -> dict[str, torch.Tensor]:
 FEDERATION = FederationConfig()
 MAX_PAYLOAD_BYTES = WireConfig().max_payload_bytes
 MAX_FIELD_CHARS = 64  # a weights fingerprint (32 hex digits) with room to spare
-MAX_REASON_CHARS = 400  # a node's refusal: one line, as the checks write it
-FIELD_CHARS = {"settings": MAX_SETTINGS_CHARS, "reason": MAX_REASON_CHARS}  # text fields longer than MAX_FIELD_CHARS
+FIELD_CHARS = {"settings": MAX_SETTINGS_CHARS, "reason": REASON_CHARS}  # text fields longer than MAX_FIELD_CHARS
 MAX_COUNT = 2**31 - 1  # steps, phases, attempts and samples fit the wire header's fields
 
 # The header fields of each reply status, by type (besides "status"); nothing else may be there.
@@ -541,7 +540,7 @@ def refusing(handler: Callable[[Message, Context], Message]) -> Callable[[Messag
         try:
             return handler(message, context)
         except (RunRefused, Refused) as exc:
-            reason = one_line(str(exc), MAX_REASON_CHARS)[:MAX_REASON_CHARS]
+            reason = one_line(str(exc))[:REASON_CHARS]
         log.warning("node %s refuses the server's %s message: %s", context.node_id, message.metadata.message_type, reason)
         return _reply(message, REFUSED, reason=reason)
 
@@ -847,7 +846,7 @@ class FlowerCoordinator:
             except Refused as exc:
                 self.refuse(node, step, phase, str(exc))
             if reply.status == REFUSED:
-                reason = one_line(reply.fields["reason"], MAX_REASON_CHARS)
+                reason = one_line(reply.fields["reason"])
                 raise FlowerRunError(f"step {step} phase {phase}: node {node} refuses the server's message: {reason}")
             checked.append(reply)
         return checked

@@ -25,6 +25,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message  # noqa: E402
 from dadfl import flower  # noqa: E402
 from dadfl.config import ConfigError  # noqa: E402
 from dadfl.flower_policy import MAX_SETTINGS_CHARS, NodePolicy  # noqa: E402
+from dadfl.sanitize import REASON_CHARS  # noqa: E402
 from dadfl.simulation import StrategySpec  # noqa: E402
 from dadfl.workloads import BUILTIN  # noqa: E402
 from test_flower import DirectGrid, run_direct, small_config, task_identity  # noqa: E402,F401
@@ -215,8 +216,11 @@ def test_a_nodes_refusal_reaches_the_server_as_one_bounded_line(tmp_path, task_i
     text = str(raised.value)
     assert text.startswith(f"step 1 phase 0: node {HOSTILE} refuses the server's message: no\\nstep 9"), text
     assert "\n" not in text and "\x1b" not in text, text
-    with pytest.raises(flower.FlowerRunError, match=rf"node {HOSTILE} refused: header field 'reason' is not text of at most 400"):
-        run_direct(tmp_path / "long", small_config(spec, sites=3), spec, HostileGrid(refusal("x" * 401)))
+    # The bound is the one every runtime logs another party's reason with (sanitize.REASON_CHARS).
+    with pytest.raises(flower.FlowerRunError, match=rf"node {HOSTILE} refuses the server's message: x{{{REASON_CHARS}}}$"):
+        run_direct(tmp_path / "at_bound", small_config(spec, sites=3), spec, HostileGrid(refusal("x" * REASON_CHARS)))
+    with pytest.raises(flower.FlowerRunError, match=rf"node {HOSTILE} refused: header field 'reason' is not text of at most {REASON_CHARS} "):
+        run_direct(tmp_path / "long", small_config(spec, sites=3), spec, HostileGrid(refusal("x" * (REASON_CHARS + 1))))
 
 
 def test_the_node_policy_comes_from_the_node_config_with_the_site_configs_names():
