@@ -17,7 +17,11 @@ fields of a gRPC site's TOML, flattened with dots as Flower flattens a TOML tabl
 ``workload_path`` (folders separated by ``os.pathsep``), ``limits.max_batch_size``,
 ``limits.max_steps``, ``limits.max_parameters``, ``limits.max_payload_bytes``,
 ``privacy.require_dp`` and the other ``privacy.*`` fields. Unset keys keep the site
-defaults: the built-in workloads only and the default limits. Chosen over a path to a
+defaults: the built-in workloads only and the default limits. Besides them a node config
+holds only the node's own settings (``NODE_SETTINGS``) and what Flower's simulation engine
+sets on every node (``FLOWER_KEYS``); any other key is refused with its name, since a
+misspelled limit that was ignored would leave a site believing it holds a bound it does not
+(so a SuperNode shared with another app cannot carry that app's keys). Chosen over a path to a
 site TOML because a SuperNode is configured by its node config (as ``data-path`` is), and a
 site TOML must also hold a site id, a token and a server address that mean nothing to a
 Flower node; with the same names, the checks' errors ("raise limits.max_batch_size in the
@@ -33,11 +37,12 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from flwr.common.constant import NUM_PARTITIONS_KEY, PARTITION_ID_KEY
 from pydantic import ValidationError
 
 from dadfl.client.config import DEVICE, RunPolicy
 from dadfl.client.run_checks import MAX_OPTIONS_CHARS, MIN_CHUNK_BYTES, CheckedRun, RunRefused, build_workload, check_run_config
-from dadfl.config import validate_config
+from dadfl.config import ConfigError, validate_config
 from dadfl.options import validation_summary
 from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.sanitize import one_line, printable
@@ -47,6 +52,8 @@ from dadfl.workloads import Workload
 # The settings JSON carries three option objects (each at most MAX_OPTIONS_CHARS) and scalars.
 MAX_SETTINGS_CHARS = 4 * MAX_OPTIONS_CHARS
 POLICY_TABLES = ("limits", "privacy")
+NODE_SETTINGS = ("data-path", "device", "threads")  # the node config keys flower.py reads itself
+FLOWER_KEYS = (PARTITION_ID_KEY, NUM_PARTITIONS_KEY)  # set on every node by Flower's simulation engine
 RAW_CODEC = "none"  # Flower carries exact .npy arrays
 
 
@@ -54,8 +61,28 @@ class NodePolicy(RunPolicy):
     """A node's rules for the server's runs: the fields a gRPC site config holds its runs to."""
 
     @classmethod
+    def node_config_keys(cls) -> list[str]:
+        """Every key a node config may hold: the policy's fields (a table's flattened with dots),
+        then the node's settings and Flower's own keys."""
+        keys = []
+        for name, info in cls.model_fields.items():
+            if name in POLICY_TABLES:
+                keys += [f"{name}.{field}" for field in info.annotation.model_fields]
+            else:
+                keys.append(name)
+        return keys + list(NODE_SETTINGS) + list(FLOWER_KEYS)
+
+    @classmethod
     def from_node_config(cls, node_config: Mapping[str, Any]) -> "NodePolicy":
-        """The policy keys of a Flower node config (module docstring); other keys are not its."""
+        """The policy keys of a Flower node config (module docstring); a key no part of the node
+        reads is a :class:`ConfigError` naming it and the known keys."""
+        known = cls.node_config_keys()
+        unknown = sorted(key for key in node_config if key not in known)
+        if unknown:
+            raise ConfigError(
+                f"node config: unknown key(s) {', '.join(printable(key) for key in unknown[:5])}; "
+                f"check the spelling, the known keys are {', '.join(known)}"
+            )
         values: dict[str, Any] = {}
         for key, value in node_config.items():
             table, dot, name = key.partition(".")
