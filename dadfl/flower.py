@@ -79,7 +79,6 @@ import functools
 import io
 import json
 import logging
-import math
 import os
 import pickle
 import re
@@ -101,7 +100,7 @@ from flwr.serverapp import Grid, ServerApp  # noqa: E402
 
 from dadfl.client.run_checks import RunRefused
 from dadfl.protos import tensor_pb2 as pb
-from dadfl.protos.codec import DTYPES, MAX_DIMS, Assembled
+from dadfl.protos.codec import DTYPES, Assembled, WireError, check_extent, check_payload_bytes, checked_dtype
 from dadfl.protos.state import MODEL_PREFIX, OPTIM_PREFIX, load_state, state_payload
 from dadfl.sanitize import REASON_CHARS, one_line, printable
 from dadfl.server.config import FederationConfig, WireConfig
@@ -270,15 +269,18 @@ def read_tensors(
     arrays: ArrayRecord | None, dtypes_of: Callable[[str], set[torch.dtype] | None], max_bytes: int, limit: str
 ) -> dict[str, torch.Tensor]:
     """The record's tensors: keys ``dtypes_of`` knows (None: not expected), with one of its
-    dtypes, at most ``max_bytes`` in all (``limit`` names that setting), each decoded bounded."""
+    dtypes, at most ``max_bytes`` in all (``limit`` names that setting), each decoded bounded
+    with the gRPC codec's checks (``protos/codec.py``)."""
     arrays = arrays if arrays is not None else {}
     for key in arrays:
         if dtypes_of(key) is None:
             raise Refused(f"unexpected tensor {printable(key)}")
     total = sum(len(array.data) if isinstance(array.data, bytes) else 0 for array in arrays.values())
-    if total > max_bytes:
-        raise Refused(f"payload of {total} bytes exceeds the limit of {max_bytes} bytes ({limit})")
-    return {key: _decode_array(key, array, dtypes_of(key)) for key, array in arrays.items()}
+    try:
+        check_payload_bytes(total, max_bytes, limit)
+        return {key: _decode_array(key, array, dtypes_of(key)) for key, array in arrays.items()}
+    except WireError as exc:
+        raise Refused(str(exc)) from None
 
 
 def _field(header: ConfigRecord, name: str, kind: type) -> Any:
@@ -296,7 +298,7 @@ def _field(header: ConfigRecord, name: str, kind: type) -> Any:
 
 def _decode_array(key: str, array: Array, dtypes: set[torch.dtype]) -> torch.Tensor:
     """One tensor from its ``.npy`` bytes: the header read and checked first (a known dtype
-    among ``dtypes``, at most ``MAX_DIMS`` dimensions, exactly the bytes that follow), then
+    among ``dtypes``, a shape the bytes that follow fill exactly: ``codec.check_extent``), then
     one copy into writable memory. Never ``np.load``: it allocates what a header claims."""
     where = f"tensor {key!r}"
     if array.stype != "numpy.ndarray" or not isinstance(array.data, bytes):
@@ -310,16 +312,9 @@ def _decode_array(key: str, array: Array, dtypes: set[torch.dtype]) -> torch.Ten
         shape, fortran_order, dtype = read(stream)
     except (ValueError, TypeError, SyntaxError) as exc:  # numpy's reasons for a malformed header
         raise Refused(f"{where}: not a valid .npy array ({one_line(str(exc), 80)})") from None
-    wanted = NUMPY_DTYPES.get(dtype)
-    if wanted not in dtypes:
-        raise Refused(f"{where}: dtype {one_line(str(dtype), 40)}, expected {' or '.join(sorted(map(str, dtypes)))}")
-    if len(shape) > MAX_DIMS:
-        raise Refused(f"{where}: {len(shape)} dimensions, at most {MAX_DIMS}")
-    if any(size < 0 for size in shape):
-        raise Refused(f"{where}: negative size in shape {shape}")
+    wanted = checked_dtype(where, NUMPY_DTYPES.get(dtype), one_line(str(dtype), 40), dtypes)
     data = memoryview(array.data)[stream.tell():]
-    if len(data) != math.prod(shape) * dtype.itemsize:
-        raise Refused(f"{where}: shape {shape} needs {math.prod(shape) * dtype.itemsize} bytes, it carries {len(data)}")
+    check_extent(where, shape, dtype.itemsize, len(data))
     flat = torch.frombuffer(bytearray(data), dtype=wanted) if len(data) else torch.empty(0, dtype=wanted)
     if fortran_order:  # as np.load reads it: the reversed shape, transposed
         return flat.reshape(shape[::-1]).permute(*reversed(range(len(shape))))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass, field
+from typing import Collection, Sequence
 
 import numpy as np
 import torch
@@ -48,6 +49,37 @@ MAX_DIMS = 8
 
 class WireError(ValueError):
     """A message that cannot be decoded; the text says what was wrong with it."""
+
+
+# Checks of another party's tensors before a byte is allocated for them, shared by this codec's
+# header and the Flower runtime's .npy reader (dadfl/flower.py): the same bound, the same words.
+
+
+def check_payload_bytes(total: int, max_bytes: int, setting: str) -> None:
+    """Refuse a payload of more than ``max_bytes`` tensor bytes; ``setting`` names what raises the limit."""
+    if total > max_bytes:
+        raise WireError(f"payload of {total} bytes exceeds the limit of {max_bytes} bytes ({setting})")
+
+
+def checked_dtype(where: str, dtype: torch.dtype | None, shown: str, allowed: Collection[torch.dtype] = DTYPES) -> torch.dtype:
+    """``dtype`` when ``allowed`` holds it; None is a dtype no reader knows. ``shown`` is the
+    dtype as the sender wrote it (a wire enum value, a numpy name)."""
+    if dtype is None or dtype not in allowed:
+        unknown = "unknown " if dtype is None else ""
+        raise WireError(f"{where}: {unknown}dtype {shown}, expected {' or '.join(sorted(map(str, allowed)))}")
+    return dtype
+
+
+def check_extent(where: str, shape: Sequence[int], itemsize: int, nbytes: int) -> None:
+    """A declared shape against the bytes the tensor carries: at most ``MAX_DIMS`` dimensions,
+    none negative, exactly ``itemsize`` bytes per element (a header cannot claim a terabyte
+    over four bytes)."""
+    shape = tuple(shape)
+    if len(shape) > MAX_DIMS or any(size < 0 for size in shape):
+        raise WireError(f"{where}: invalid shape {shape}: at most {MAX_DIMS} dimensions, none negative")
+    needed = math.prod(shape) * itemsize
+    if nbytes != needed:
+        raise WireError(f"{where}: shape {shape} needs {needed} bytes, it carries {nbytes}")
 
 
 def codec_id(name: str) -> int:
@@ -173,11 +205,7 @@ class PayloadAssembler:
         return Assembled(Payload(header.step, header.phase, header.num_samples, decode_tensors(header, buffer)), header)
 
     def _start(self, header: pb.PayloadHeader) -> None:
-        if header.total_bytes > self.max_payload_bytes:
-            raise WireError(
-                f"payload of {header.total_bytes} bytes exceeds the limit of {self.max_payload_bytes} bytes "
-                "(max_payload_bytes in the server config)"
-            )
+        check_payload_bytes(header.total_bytes, self.max_payload_bytes, "max_payload_bytes in the server config")
         check_header(header)
         self._header = header
         self._buffer = np.empty(header.total_bytes, np.uint8)  # every byte is overwritten by a chunk
@@ -192,18 +220,12 @@ def check_header(header: pb.PayloadHeader) -> None:
         if meta.key in seen:
             raise WireError(f"{where} appears twice in the payload")
         seen.add(meta.key)
-        if meta.dtype not in TORCH_DTYPES:
-            raise WireError(f"{where}: unknown dtype {meta.dtype}")
+        dtype = checked_dtype(where, TORCH_DTYPES.get(meta.dtype), str(meta.dtype))
         if meta.codec not in (pb.RAW, *WIRE_DTYPE_OF_CODEC):
             raise WireError(f"{where}: unknown codec {meta.codec}")
-        if meta.codec != pb.RAW and not TORCH_DTYPES[meta.dtype].is_floating_point:
+        if meta.codec != pb.RAW and not dtype.is_floating_point:
             raise WireError(f"{where}: a half-precision codec applies only to floating tensors")
-        if len(meta.shape) > MAX_DIMS or any(d < 0 for d in meta.shape):
-            raise WireError(f"{where}: invalid shape {tuple(meta.shape)}")
-        numel = math.prod(meta.shape)
-        itemsize = (TORCH_DTYPES[meta.dtype] if meta.codec == pb.RAW else WIRE_DTYPE_OF_CODEC[meta.codec]).itemsize
-        if meta.nbytes != numel * itemsize:
-            raise WireError(f"{where}: shape {tuple(meta.shape)} needs {numel * itemsize} bytes but {meta.nbytes} are declared")
+        check_extent(where, meta.shape, (dtype if meta.codec == pb.RAW else WIRE_DTYPE_OF_CODEC[meta.codec]).itemsize, meta.nbytes)
         if meta.offset != expected_offset:
             raise WireError(f"{where}: starts at byte {meta.offset}, expected {expected_offset}")
         expected_offset += meta.nbytes

@@ -80,7 +80,7 @@ CHUNK_ATTACKS = {
     "stale model version": (stale_version, "the site's weights are stale"),
     "truncated payload": (truncated, "before the previous payload's last chunk"),
     "oversized payload": (oversized, "exceeds the limit"),
-    "inconsistent header": (corrupt_header, "are declared"),
+    "inconsistent header": (corrupt_header, "bytes, it carries"),
 }
 
 

@@ -14,6 +14,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("flwr", reason="the Flower integration needs flwr: pip install -e '.[flower]'")
 
@@ -22,7 +23,10 @@ from flwr.clientapp import ClientApp  # noqa: E402
 
 from dadfl import flower  # noqa: E402
 from dadfl.metrics import MetricsWriter  # noqa: E402
+from dadfl.protos import tensor_pb2 as pb  # noqa: E402
+from dadfl.protos.codec import WireError, decode_chunks, encode_payload  # noqa: E402
 from dadfl.simulation import StrategySpec  # noqa: E402
+from dadfl.strategies import Payload  # noqa: E402
 from test_flower import DirectGrid, run_direct, small_config, task_identity  # noqa: E402,F401
 
 HOSTILE = 7  # the hostile node of the direct grid (nodes 7, 19, 31)
@@ -196,3 +200,30 @@ def test_arrays_decode_as_numpy_reads_them_in_either_memory_order():
         decoded = flower._decode_array("layer:A", Array(array), {flower.NUMPY_DTYPES[np.dtype(np.float32)]})
         assert decoded.numpy().tobytes() == Array(array).numpy().tobytes()
         assert decoded.shape == array.shape
+
+
+@pytest.mark.parametrize(
+    "shape, carried, reason",
+    [
+        ((3,), 2, r"shape \(3,\) needs 12 bytes, it carries 8"),
+        ((1,) * 9, 1, r"invalid shape \(1, 1, 1, 1, 1, 1, 1, 1, 1\): at most 8 dimensions"),
+        ((-2,), 0, r"invalid shape \(-2,\): at most 8 dimensions, none negative"),
+    ],
+    ids=["bytes", "dimensions", "negative"],
+)
+def test_the_npy_reader_refuses_a_tensor_in_the_words_of_the_grpc_codec(shape, carried, reason):
+    """One check (``codec.check_extent``) for both readers of another party's tensors: an .npy
+    header and a gRPC payload header declaring the same shape over the same bytes are refused alike."""
+    buffer = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buffer, {"descr": "<f4", "fortran_order": False, "shape": shape})
+    array = Array(dtype="float32", shape=(carried,), stype="numpy.ndarray", data=buffer.getvalue() + bytes(4 * carried))
+    with pytest.raises(flower.Refused) as npy:
+        flower.read_tensors({"x:grad": array}, lambda key: {torch.float32}, 1 << 20, "a test limit")
+    chunks = [pb.PayloadChunk.FromString(chunk.SerializeToString()) for chunk in encode_payload(Payload(0, 0, 1, {"x:grad": torch.zeros(carried)}))]
+    meta = chunks[0].header.tensors[0]
+    del meta.shape[:]
+    meta.shape.extend(shape)
+    with pytest.raises(WireError) as wire:
+        decode_chunks(chunks)
+    assert re.fullmatch(rf"tensor 'x:grad': {reason}.*", str(npy.value)), npy.value
+    assert str(npy.value) == str(wire.value)

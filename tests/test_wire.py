@@ -112,7 +112,7 @@ def test_lost_or_reordered_chunks_are_refused():
 @pytest.mark.parametrize(
     "corrupt, message",
     [
-        (lambda m: setattr(m, "nbytes", m.nbytes + 4), "needs 4000 bytes but 4004 are declared"),
+        (lambda m: setattr(m, "nbytes", m.nbytes + 4), "needs 4000 bytes, it carries 4004"),
         (lambda m: m.shape.append(2), "needs 8000 bytes"),
         (lambda m: setattr(m, "dtype", 99), "unknown dtype 99"),
         (lambda m: setattr(m, "codec", 7), "unknown codec 7"),
