@@ -13,7 +13,10 @@ enrolled while the server runs can join at once, and a revoked one cannot; a rev
 that is connected is dropped at its next upload. It reads the file again only when it
 changed, in a worker thread (:class:`Enrolment`): any peer can cause a join, and admitting
 N sites must not parse the file N times on the event loop. The file is read only up to
-``MAX_TOKENS_FILE_BYTES``.
+``MAX_TOKENS_FILE_BYTES``. A running server never takes a missing file for an empty one: a
+file deleted while it runs (even between the check for a change and the read) refuses every
+join with the error a missing file gives at start, and connected sites keep the last good
+reading, so deleting the file never reads as "every site revoked" nor as "nothing changed".
 """
 
 from __future__ import annotations
@@ -48,10 +51,15 @@ def token_hash(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def read_tokens(path: Path) -> dict[str, dict]:
-    """The enrolled sites (none when the file does not exist yet); ValueError naming the file
-    when it is not a token file ``dadfl enroll`` wrote."""
-    return read_enrolment(path)[0]
+def tokens_file_error(path: Path, exc: OSError) -> ValueError:
+    """Why the token file cannot be read, in the words every reader of it uses (at start, at a
+    join, at an edit): missing, or there but not readable."""
+    if isinstance(exc, FileNotFoundError):
+        return ValueError(
+            f"{path} does not exist; enrol the sites first (`dadfl enroll SITE --config <server config>` "
+            "creates it) or point listen.tokens at the federation's tokens file"
+        )
+    return ValueError(f"{path}: cannot read the token file ({type(exc).__name__}); it must be a file the server may read")
 
 
 class Enrolled(NamedTuple):
@@ -62,14 +70,13 @@ class Enrolled(NamedTuple):
 
 
 def read_enrolment(path: Path) -> Enrolled:
-    """The enrolled sites and the revoked list (see the module's docstring)."""
+    """The enrolled sites and the revoked list (see the module's docstring); ValueError naming
+    the file when it is missing, unreadable or not a token file ``dadfl enroll`` wrote."""
     try:
         with path.open("rb") as file:
             raw = file.read(MAX_TOKENS_FILE_BYTES + 1)
-    except FileNotFoundError:
-        return Enrolled({}, [])
     except OSError as exc:
-        raise ValueError(f"{path}: cannot read the token file ({type(exc).__name__}); it must be a file the server may read") from None
+        raise tokens_file_error(path, exc) from None
     if len(raw) > MAX_TOKENS_FILE_BYTES:
         raise ValueError(f"{path}: over {MAX_TOKENS_FILE_BYTES >> 20} MiB, more than a token file of any federation; check that listen.tokens names the file `dadfl enroll` writes")
     try:
@@ -93,13 +100,8 @@ def now_text() -> str:
 
 def check_tokens_file(path: Path) -> int:
     """At server start: the tokens file (``listen.tokens``) exists and reads; returns the number of sites."""
-    if not path.is_file():
-        raise ValueError(
-            f"listen.tokens: {path} does not exist; enrol the sites first (`dadfl enroll SITE --config <server config>` "
-            "creates it) or point listen.tokens at the federation's tokens file"
-        )
     try:
-        return len(read_tokens(path))
+        return len(read_enrolment(path).sites)
     except ValueError as exc:
         raise ValueError(f"listen.tokens: {exc}") from None
 
@@ -109,7 +111,7 @@ def enroll(path: Path, site_id: str, replace: bool = False, cert_serial: int | N
     the token (shown once). Replacing an enrolment revokes the old certificate."""
     if not re.fullmatch(SITE_ID_PATTERN, site_id):
         raise ValueError(f"site id {printable(site_id)} must be {SITE_ID_RULE}")
-    sites, revoked = read_enrolment(path)
+    sites, revoked = _enrolment_to_edit(path)
     if site_id in sites and not replace:
         raise ValueError(f"site {site_id!r} is already enrolled in {path}; pass --replace to issue a new token (the old one stops working)")
     if site_id in sites:
@@ -124,13 +126,18 @@ def enroll(path: Path, site_id: str, replace: bool = False, cert_serial: int | N
 
 def revoke(path: Path, site_id: str) -> None:
     """Remove ``site_id``'s token and put its certificate on the revoked list."""
-    sites, revoked = read_enrolment(path)
+    sites, revoked = _enrolment_to_edit(path)
     if site_id not in sites:
         raise ValueError(f"site {printable(site_id)} is not enrolled in {path}; nothing to revoke")
     revoked += _revoked_entries(site_id, sites.pop(site_id))
     if not any(entry.get("site") == site_id for entry in revoked):
         revoked.append({"site": site_id, "revoked": now_text()})
     write_tokens(path, sites, revoked)
+
+
+def _enrolment_to_edit(path: Path) -> Enrolled:
+    """The reading ``dadfl enroll`` edits: no file yet is a federation with no sites."""
+    return read_enrolment(path) if path.exists() else Enrolled({}, [])
 
 
 def _revoked_entries(site_id: str, entry: dict) -> list[dict]:
@@ -191,8 +198,8 @@ class Enrolment:
     the file, so a new version has a new inode even when it has the old one's size and lands
     in the same clock tick; an edit in place changes the time or the size. Checking costs one
     ``stat``; a new version is read in a worker thread, once however many joins and uploads
-    wait for it. :meth:`for_join` is what a join is checked against (no file: no site is
-    enrolled; a file that does not read refuses joins until it is fixed). :meth:`revocation`
+    wait for it. :meth:`for_join` is what a join is checked against (a file that is missing or
+    does not read refuses joins until it is fixed). :meth:`revocation`
     tells whether a connected site's enrolment still stands: a site revoked (or re-enrolled
     with a new token) while connected is dropped at its next upload; a file that goes missing
     or stops reading keeps the last good reading for those.
@@ -200,38 +207,35 @@ class Enrolment:
 
     def __init__(self, path: Path):
         self.path = path
-        self._version: tuple[int, int, int] | None = None  # of the file last read
+        self._version: tuple[int, int, int] | None = None  # of the file last read; None: not read yet
         self._good = Enrolled({}, [])  # the last reading that succeeded
         self._failure: str | None = None  # why the file at _version does not read
         self._reading = asyncio.Lock()
 
-    def _current_version(self) -> tuple[int, int, int] | None:
+    def _current_version(self) -> tuple[int, int, int]:
         try:
             stat = self.path.stat()
-        except FileNotFoundError:
-            return None
         except OSError as exc:
-            raise ValueError(f"{self.path}: cannot read the token file ({type(exc).__name__}); it must be a file the server may read") from None
+            raise tokens_file_error(self.path, exc) from None
         return (stat.st_ino, stat.st_mtime_ns, stat.st_size)
 
-    async def _refresh(self) -> bool:
-        """Read the file again if it changed since the last reading; False when there is none."""
+    async def _refresh(self) -> None:
+        """Read the file again if it changed since the last reading; ValueError when it is
+        missing or cannot be stat'ed now."""
         version = self._current_version()
-        if version is not None and version != self._version:
+        if version != self._version:
             async with self._reading:
                 version = self._current_version()  # another caller may have read it meanwhile
-                if version is not None and version != self._version:
-                    try:
+                if version != self._version:
+                    try:  # a file deleted since the stat fails here as a missing one
                         self._good, self._failure = await asyncio.to_thread(read_enrolment, self.path), None
                     except ValueError as exc:
                         self._failure = str(exc)
                     self._version = version
-        return version is not None
 
     async def for_join(self) -> Enrolled:
-        """The reading a join is checked against; ValueError when the file does not read."""
-        if not await self._refresh():
-            return Enrolled({}, [])
+        """The reading a join is checked against; ValueError when the file is missing or does not read."""
+        await self._refresh()
         if self._failure is not None:
             raise ValueError(self._failure)
         return self._good

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import secrets
 import threading
 import tomllib
@@ -21,7 +22,9 @@ from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.protos import coordinator_pb2_grpc as cpb_grpc
 from dadfl.protos.channel import PROTOCOL_VERSION
 from dadfl.server.coordinator import RunStopped
-from dadfl.server.enrol import MAX_TOKENS_FILE_BYTES, Enrolment, EnrolmentError, enroll, read_enrolment, token_hash, verify
+from dadfl.server.enrol import (
+    MAX_TOKENS_FILE_BYTES, Enrolment, EnrolmentError, check_tokens_file, enroll, read_enrolment, token_hash, verify, write_tokens,
+)
 from network_helpers import ServerThread, SiteThread, server_config, site_config
 
 
@@ -158,3 +161,36 @@ def test_joins_share_one_reading_of_the_token_file_until_an_edit_which_the_next_
     assert len(readers) == 2 and server._thread not in readers
     with pytest.raises(RunStopped, match="only 0 of the 1 sites needed"):
         server.join(30)
+
+
+def test_a_token_file_deleted_while_the_server_runs_is_never_read_as_no_sites(tmp_path, monkeypatch):
+    """Deleted between the check for a change and the read, the file refuses joins with the
+    error a missing file gives at start, and a connected site keeps the last good reading (not
+    "revoked"); a file that revokes every site is read as that."""
+    path = tmp_path / "tokens.json"
+    enroll(path, "hospital-a")
+    enrolment = Enrolment(path)
+    joined_with = asyncio.run(enrolment.for_join()).sites["hospital-a"]["sha256"]
+    enroll(path, "hospital-b")  # a new version, which the next join reads
+
+    def deleted_before_the_read(file):
+        file.unlink()
+        return read_enrolment(file)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(enrol_module, "read_enrolment", deleted_before_the_read)
+        with pytest.raises(ValueError) as raced:
+            asyncio.run(enrolment.for_join())
+    missing = f"{path} does not exist; enrol the sites first"
+    assert str(raced.value).startswith(missing), raced.value
+    with pytest.raises(ValueError) as at_start:
+        check_tokens_file(path)
+    assert str(at_start.value) == f"listen.tokens: {raced.value}"
+    with pytest.raises(ValueError, match=f"^{re.escape(str(raced.value))}$"):  # still missing: the same error from the stat
+        asyncio.run(enrolment.for_join())
+    assert asyncio.run(enrolment.revocation("hospital-a", joined_with)) is None
+    assert asyncio.run(enrolment.site_ids()) == ["hospital-a"]
+
+    write_tokens(path, {}, [{"site": "hospital-a", "revoked": "now"}])  # every site revoked
+    assert asyncio.run(enrolment.for_join()).sites == {}
+    assert "was revoked" in asyncio.run(enrolment.revocation("hospital-a", joined_with))
