@@ -22,6 +22,7 @@ into a fresh file (CRC, page allocation, and the unlink of the old one). A save 
 recycled file under a temporary name and renames it into place, so a kill leaves the old
 state or the new one, never a torn one; a file whose digest or header does not check (a
 power cut: nothing here is fsync'd) reads as lost, as does one that names another step.
+A stateless half's empty state is an empty file, one system call per step.
 """
 
 from __future__ import annotations
@@ -90,6 +91,10 @@ class HalfStates:
         self.memory[step] = state
         if self.folder is None:
             return
+        if not state:  # a stateless half, every step: an empty file says it, in one system call
+            self._path(step).touch()
+            self.on_disk.add(step)
+            return
         header, arrays = encode_header(Payload(step, 0, 0, state))
         parts = [MAGIC, HEADER_LENGTH.pack(header.ByteSize()), header.SerializeToString(), *arrays]
         digest = xxhash.xxh3_128()
@@ -126,6 +131,8 @@ class HalfStates:
         with self._path(step).open("rb") as file:  # into writable memory: the tensors are views of it
             data = bytearray(os.fstat(file.fileno()).st_size)
             file.readinto(data)
+        if not data:
+            return {}
         body = len(data) - DIGEST_BYTES
         if data[: len(MAGIC)] != MAGIC or body < len(MAGIC) + HEADER_LENGTH.size:
             raise ValueError("not a strategy state file")
@@ -140,9 +147,12 @@ class HalfStates:
         return decode_tensors(header, np.frombuffer(data, dtype=np.uint8, count=header.total_bytes, offset=start + length))
 
     def forget(self, step: int) -> None:
-        self.memory.pop(step, None)
+        stateless = self.memory.pop(step, None) == {}
         if step in self.on_disk:
             self.on_disk.discard(step)
+            if stateless:  # no pages to write over
+                self._path(step).unlink(missing_ok=True)
+                return
             spare = self.folder / f"{SPARE_PREFIX}{step}"
             try:
                 os.replace(self._path(step), spare)

@@ -77,11 +77,11 @@ beyond min(r, m, k) do not exist: that is the rank sent (r' below).
 Defaults: one setting for every workload, measured with the benchmark protocol (the
 ``rankdad-ef`` preset's digits MLP, hidden 256, 4 sites, IID, batch 32, SGD 0.1 momentum
 0.9, 150 steps, r=1, ``raw_input="low_rank"``, seeds 0 and 1; final held-out accuracy,
-seed mean; dSGD 96.4%): the defaults 96.6%; ``error_feedback=False`` 64.2%;
-``reduce_on_server=False`` 96.8%, but S·r·(k + m) down instead of r·(k + m), 2.5× the
-total bytes per step at 4 sites; ``iterations`` 1: 95.1%, 3: 95.9% (a pass costs local
-flops, never a round trip); ``warm_start=False`` 94.0%; ``shared_warm_start=False``
-94.7% (figures above). At r=1 the curves of two seeds move by several points from one
+seed mean; dSGD 96.4%; the passes on the dense M, see above): the defaults 96.4%; ``error_feedback=False`` 64.2%;
+``reduce_on_server=False`` 96.9%, but S·r·(k + m) down instead of r·(k + m), 2.5× the
+total bytes per step at 4 sites; ``iterations`` 1: 93.6%, 3: 95.6% (a pass costs local
+flops, never a round trip); ``warm_start=False`` 94.1%; ``shared_warm_start=False``
+95.3% (figures above). At r=1 the curves of two seeds move by several points from one
 evaluation to the next, so only the GRU and server-memory figures separate the last two
 choices clearly. The bytes-to-target and dominance tables against PowerSGD are in
 ``docs/rankdad-ef/benchmarks.md``.
