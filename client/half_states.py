@@ -147,12 +147,9 @@ class HalfStates:
         return decode_tensors(header, np.frombuffer(data, dtype=np.uint8, count=header.total_bytes, offset=start + length))
 
     def forget(self, step: int) -> None:
-        stateless = self.memory.pop(step, None) == {}
+        self.memory.pop(step, None)
         if step in self.on_disk:
             self.on_disk.discard(step)
-            if stateless:  # no pages to write over
-                self._path(step).unlink(missing_ok=True)
-                return
             spare = self.folder / f"{SPARE_PREFIX}{step}"
             try:
                 os.replace(self._path(step), spare)

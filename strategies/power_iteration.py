@@ -36,14 +36,9 @@ adds it to Dᵀ A (a head tied to the table), or takes it alone (A, D None).
 Σ_s P_s Q_sᵀ = Dᵀ A with D = [P_1 … P_S]ᵀ and A = [Q_1 … Q_S]ᵀ (S·r rows), so the
 server re-reduces the sites' factors to rank r with the same call (``reduce_sum``).
 
-**Scale and memory (error feedback).** ``scale`` and ``memory`` E (G, m, k) change the
-matrix to M = scale·Dᵀ A + E; the passes then apply
-
-    M Q  = scale·Dᵀ (A Q) + E Q        Mᵀ U = scale·Aᵀ (D U) + Eᵀ U
-
-so the power step never forms Dᵀ A (E is dense already; it costs 2·m·k·r per pass).
-``dense_power_iteration`` runs the same passes on a matrix that is dense anyway (the
-gradient of a parameter no factor capture covers).
+**Dense matrices.** ``dense_power_iteration`` runs the same passes on a matrix that is
+dense anyway: the gradient of a parameter no factor capture covers, or a gradient plus an
+error-feedback memory, which rank-dAD forms once because the memory update needs it.
 
 **Randomness.** The random start comes from a seeded ``torch.Generator`` on the
 tensors' device (``make_generator``), so runs are reproducible on CPU and CUDA; a
@@ -111,18 +106,16 @@ def power_iteration(
     generator: torch.Generator | None = None,
     tol: float = 0.0,
     scale: float = 1.0,
-    memory: torch.Tensor | None = None,
     lookups: Lookups | None = None,
 ) -> LowRank:
-    """Rank-``rank`` factors of M = scale·Dᵀ A + memory per group, from A (G, n, k) and D (G, n, m).
+    """Rank-``rank`` factors of M = scale·Dᵀ A per group, from A (G, n, k) and D (G, n, m).
 
     ``warm_start`` (G, k, c): the Q of a previous call; missing columns (c < r') are
     drawn at random, extra ones ignored. ``generator``: for the random start, on the
     tensors' device (default: seed 0). ``tol``: relative threshold below which
-    components are dropped (0 keeps all r' = min(rank, m, k)). ``memory`` (G, m, k):
-    an error-feedback memory added to the structured product (None: none). 2-D A (n, k)
+    components are dropped (0 keeps all r' = min(rank, m, k)). 2-D A (n, k)
     and D (n, m) are one group; the results keep the group axis. Cost: ``iterations`` ×
-    2·G·(n·(k + m) + m·k if memory)·r' flops plus QR/SVD of (m × r'), (k × r') and
+    2·G·n·(k + m)·r' flops plus QR/SVD of (m × r'), (k × r') and
     (r' × r') blocks. ``lookups``: an embedding's part of the same (one-group) matrix,
     added to Dᵀ A before scaling; with A and D None it is the whole structured product.
     """
@@ -133,8 +126,6 @@ def power_iteration(
         A, D = A.unsqueeze(0), D.unsqueeze(0)
         if warm_start is not None and warm_start.dim() == 2:
             warm_start = warm_start.unsqueeze(0)
-        if memory is not None and memory.dim() == 2:
-            memory = memory.unsqueeze(0)
     if A.dim() != 3 or D.dim() != 3 or A.shape[:2] != D.shape[:2]:
         raise ValueError(
             f"power_iteration needs A (G, n, k) and D (G, n, m) with the same G and n; "
@@ -142,12 +133,9 @@ def power_iteration(
         )
     groups, _, k = A.shape
     m = D.shape[2]
-    if memory is not None and tuple(memory.shape) != (groups, m, k):
-        raise ValueError(f"power_iteration: memory must be ({groups}, {m}, {k}); got {tuple(memory.shape)}")
     dtype = A.dtype
     if dtype in LOW_PRECISION:  # QR and SVD need single precision at least
         A, D = A.float(), D.float()
-        memory = memory.float() if memory is not None else None
         if lookups is not None:
             lookups = Lookups(lookups.ids, lookups.rows.float(), lookups.num_embeddings)
     Dt, At = D.transpose(1, 2), A.transpose(1, 2)
@@ -158,7 +146,7 @@ def power_iteration(
             out = out + lookups.times(Q)
         if scale != 1.0:
             out = out * scale
-        return out if memory is None else out + thin_product(memory, Q)
+        return out
 
     def transposed_times(U: torch.Tensor) -> torch.Tensor:  # Mᵀ U
         out = torch.bmm(At, torch.bmm(D, U))
@@ -166,7 +154,7 @@ def power_iteration(
             out = out + lookups.transposed_times(U)
         if scale != 1.0:
             out = out * scale
-        return out if memory is None else out + thin_product(memory.transpose(1, 2), U)
+        return out
 
     return _subspace_iteration(
         times, transposed_times, A, groups, m, k, rank, iterations, warm_start, generator, tol, dtype
@@ -260,9 +248,8 @@ def reduce_sum(
     generator: torch.Generator | None = None,
     tol: float = 0.0,
     scale: float = 1.0,
-    memory: torch.Tensor | None = None,
 ) -> LowRank:
-    """Rank-``rank`` factors of scale·Σ_s P_s Q_sᵀ + memory (each (G, m, r_s), (G, k, r_s)).
+    """Rank-``rank`` factors of scale·Σ_s P_s Q_sᵀ (each (G, m, r_s), (G, k, r_s)).
 
     The sum is Dᵀ A with D = [P_1 … P_S]ᵀ, A = [Q_1 … Q_S]ᵀ: the same structured
     power iteration, on S·r rows.
@@ -271,7 +258,6 @@ def reduce_sum(
     A = torch.cat(list(Qs), dim=2).transpose(1, 2)
     return power_iteration(
         A, D, rank, iterations=iterations, warm_start=warm_start, generator=generator, tol=tol, scale=scale,
-        memory=memory,
     )
 
 
