@@ -444,7 +444,10 @@ class NodeReplica:
         node_config = context.node_config
         # The server's thread count, at most this machine's cores, unless the node sets its own.
         torch.set_num_threads(int(node_config.get("threads", min(run.config.threads, os.cpu_count() or 1))))
-        device = resolve_device(str(node_config.get("device", run.config.device)))
+        try:  # the node's own device, else the server's, which this node may not have
+            device = resolve_device(str(node_config.get("device", run.config.device)))
+        except ValueError as exc:
+            raise RunRefused(f"{exc} (set device in this node's --node-config)") from None
         replica = Replica(node_workload(run.checked, policy), run.checked.strategy, run.checked.optimizer, device)
         return cls(settings_json, layout, RunSettings(run.config, run.spec), replica)
 
@@ -556,7 +559,10 @@ def handle_step(message: Message, context: Context) -> Message:
         node = NodeReplica.build(settings_json, fields["layout"], context, policy)
     if state is not None:
         tensors = read_tensors(state, node.state_dtypes(), policy.limits.max_payload_bytes, NODE_PAYLOAD_LIMIT)
-        load_state(node.replica, Payload(step, 0, 0, tensors))
+        try:
+            load_state(node.replica, Payload(step, 0, 0, tensors))
+        except ValueError as exc:
+            raise Refused(f"the server's full state: {exc}") from None
     layout = node.replica.layout.fingerprint()
     if layout != fields["layout"]:
         raise ValueError(
@@ -722,7 +728,7 @@ class FlowerCoordinator:
             message, sent, update = self.aggregate(step, payloads, messages)
             messages.append(sent)  # what every node decodes
             bytes_down += message.nbytes() * len(self.nodes)
-            content = payload_content(message, attempt=attempt)
+            content = payload_content(sent, attempt=attempt)  # the bytes every node decodes, as the update was taken from them
             replies = self.round(step, attempt, message.phase + 1, PHASE_MESSAGE, lambda _: content)
             phase_seconds.append(time.perf_counter() - phase_started)
             phase_started = time.perf_counter()

@@ -42,7 +42,10 @@ def resolve_device(device: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device={device!r} but this machine has no CUDA device; use 'cpu' or 'auto'")
-    return torch.device(device)
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and resolved.index is not None and resolved.index >= torch.cuda.device_count():
+        raise ValueError(f"device={device!r} but this machine has {torch.cuda.device_count()} CUDA device(s); use 'cuda' or 'auto'")
+    return resolved
 
 
 @dataclass

@@ -78,7 +78,7 @@ class SimulationConfig(StrictModel):
     batch_size: int = Field(32, ge=1, description="samples per site per step")
     steps: int = Field(300, ge=1)
     eval_every: int = Field(50, ge=1)
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**63, description="seeds the data split, the batches and the strategies")
     device: str = "auto"
     threads: int = Field(1, ge=1, description="torch CPU threads; sites run one after another, and small models run fastest on one")
     optimizer: OptimizerConfig = OptimizerConfig(name="sgd", lr=0.1, momentum=0.9)

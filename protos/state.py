@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from dadfl.replica import Replica
+from dadfl.sanitize import printable
 from dadfl.strategies import Payload
 
 MODEL_PREFIX = "model/"
@@ -28,20 +29,31 @@ def state_payload(replica: Replica, next_step: int) -> Payload:
 
 
 def load_state(replica: Replica, payload: Payload) -> None:
-    """Overwrite the replica's weights and optimizer state; errors name what did not fit."""
+    """Overwrite the replica's weights and optimizer state; a ValueError naming what does not
+    fit (a tensor the model lacks or misses, a shape, optimizer state of a parameter it has not
+    or of another shape) before anything is overwritten."""
+    own = replica.model.state_dict()
+    params = [param for group in replica.optimizer.param_groups for param in group["params"]]
     model_state, optim_state = {}, {}
     for key, tensor in payload.tensors.items():
         if key.startswith(MODEL_PREFIX):
-            model_state[key[len(MODEL_PREFIX) :]] = tensor
+            name = key[len(MODEL_PREFIX) :]
+            if name not in own or own[name].shape != tensor.shape:
+                raise ValueError(f"state tensor {printable(name)} {tuple(tensor.shape)} does not fit this model")
+            model_state[name] = tensor
         elif key.startswith(OPTIM_PREFIX):
             index, _, name = key[len(OPTIM_PREFIX) :].partition("/")
+            if not index.isdecimal() or int(index) >= len(params):
+                raise ValueError(f"optimizer state {printable(key)} names no parameter of this model ({len(params)})")
+            shape = params[int(index)].shape
+            if tensor.dim() > 0 and tensor.shape != shape:  # per-parameter moments have its shape; counters are scalars
+                raise ValueError(f"optimizer state {printable(key)} {tuple(tensor.shape)} does not fit its parameter {tuple(shape)}")
             optim_state.setdefault(int(index), {})[name] = tensor.clone()
         else:
-            raise ValueError(f"state payload has an unexpected tensor {key!r}")
-    own = replica.model.state_dict()
-    for name, tensor in model_state.items():
-        if name not in own or own[name].shape != tensor.shape:
-            raise ValueError(f"state tensor {name!r} {tuple(tensor.shape)} does not fit this model")
+            raise ValueError(f"state payload has an unexpected tensor {printable(key)}")
+    missing = sorted(own.keys() - model_state.keys())
+    if missing:
+        raise ValueError(f"the state lacks {len(missing)} of this model's tensors, {printable(missing[0])} first")
     replica.model.load_state_dict(model_state, strict=True)
     groups = replica.optimizer.state_dict()["param_groups"]
     replica.optimizer.load_state_dict({"state": optim_state, "param_groups": groups})

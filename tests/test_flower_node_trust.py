@@ -177,6 +177,10 @@ def state_with_a_stray_tensor(content):
     content[flower.STATE] = ArrayRecord({"evil": Array(np.zeros(3, np.float32))})
 
 
+def state_of_another_shape(content):
+    content[flower.STATE] = ArrayRecord({"model/0.weight": Array(np.zeros(3, np.float32))})
+
+
 MESSAGES = [
     (lying_npy, flower.PHASE_MESSAGE, 1, {}, r"tensor '.*': shape \(274877906944,\) needs 1099511627776 bytes, it carries 4"),
     (stray_record, flower.STEP_MESSAGE, 1, {}, r"unexpected record 'extra'"),
@@ -184,6 +188,7 @@ MESSAGES = [
     (far_partition_index, flower.STEP_MESSAGE, 1, {}, r"partition_index 5 for a run of 3 sites"),
     (extra_header_field, flower.PHASE_MESSAGE, 1, {}, r"unexpected header field 'evil'"),
     (state_with_a_stray_tensor, flower.STEP_MESSAGE, 1, {}, r"unexpected tensor 'evil'"),
+    (state_of_another_shape, flower.STEP_MESSAGE, 1, {}, r"state tensor '0\.weight' \(3,\) does not fit this model"),
     (None, flower.PHASE_MESSAGE, 0, {"limits.max_payload_bytes": 1024},
      r"payload of \d+ bytes exceeds the limit of 1024 bytes \(limits\.max_payload_bytes in the node config\)"),
 ]
@@ -191,7 +196,7 @@ MESSAGES = [
 
 @pytest.mark.parametrize(
     "tamper, message_type, step, node_config, reason", MESSAGES,
-    ids=["lying_npy", "stray_record", "text_field", "partition", "extra_field", "state_tensor", "byte_cap"],
+    ids=["lying_npy", "stray_record", "text_field", "partition", "extra_field", "state_tensor", "state_shape", "byte_cap"],
 )
 def test_a_malformed_server_message_is_refused_before_it_is_decoded(tmp_path, task_identity, tamper, message_type, step, node_config, reason):
     grid = ServerTamperGrid(tamper, message_type, step, node_configs={HOSTILE: node_config})
