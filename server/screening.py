@@ -31,7 +31,7 @@ from dadfl.protos import tensor_pb2 as pb
 from dadfl.protos.codec import roundtrip
 from dadfl.replica import Replica
 from dadfl.strategies import Payload
-from dadfl.strategies.checks import ModelFacts, check_update, influence_outliers
+from dadfl.strategies.checks import ModelFacts, all_finite, check_update, influence_outliers
 
 
 @dataclass
@@ -110,7 +110,7 @@ class Screening:
         message = half.aggregate(list(payloads))
         sent = roundtrip(message, self.codec)
         for key, tensor in sent.tensors.items():
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            if not all_finite(tensor):
                 raise ValueError(f"the aggregated {key!r} is not finite on the wire")
         update = self.replica.decode([*messages, sent])
         check_update(self.facts, update)

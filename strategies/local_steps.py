@@ -43,6 +43,7 @@ from torch import nn
 
 from .base import Batch, LocalResult, OptimizerFactory, StateDict, check_state_keys, tensors_under, with_prefix
 from .capture import as_args, sample_losses
+from .checks import all_finite
 from .dsgd import DSGD, DenseServer, DenseSite
 from .layout import Layout
 
@@ -141,7 +142,7 @@ class DiLoCoSite(LocalStepsSite):
                 if tuple(entry[name].shape) != self.shapes[index] or not entry[name].is_floating_point():
                     raise ValueError(f"diloco site: {name} of parameter {index} has shape {tuple(entry[name].shape)}, "
                                      f"the parameter {self.shapes[index]}")
-                if not torch.isfinite(entry[name]).all():
+                if not all_finite(entry[name]):
                     raise ValueError(f"diloco site: {name} of parameter {index} is not finite")
             if (entry["exp_avg_sq"] < 0).any():
                 raise ValueError(f"diloco site: exp_avg_sq of parameter {index} is negative (a square's running mean)")

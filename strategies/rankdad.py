@@ -130,7 +130,7 @@ from .base import (
     tensors_under,
     with_prefix,
 )
-from .checks import RANK, Form, Spec, Unit, layerwise_contribution
+from .checks import RANK, Form, Spec, Unit, all_finite, layerwise_contribution
 from .layout import CapturedLayer, Layout
 from .power_iteration import Lookups, LowRank, dense_power_iteration, effective_rank, make_generator, power_iteration, reduce_sum
 
@@ -351,7 +351,7 @@ class RankDADSite:
                 continue
             Q = factors[1]
             expected = (target.groups, target.k, min(self.options.rank, target.m, target.k))
-            if tuple(Q.shape) == expected and bool(torch.isfinite(Q).all()):
+            if tuple(Q.shape) == expected and all_finite(Q):
                 self.state.warm[target.key] = Q.clone()
         return None
 

@@ -12,7 +12,7 @@ import torch
 
 from dadfl.server.quarantine import Quarantine
 from dadfl.strategies import Payload, local_step, make_strategy
-from dadfl.strategies.checks import ModelFacts, factor_sq_norm, influence_outliers, low_rank_sq_norm, medians_of_the_others
+from dadfl.strategies.checks import ModelFacts, all_finite, factor_sq_norm, influence_outliers, low_rank_sq_norm, medians_of_the_others
 from dadfl.strategies.layout import Layout
 from dadfl.workloads import load_workload
 
@@ -127,6 +127,23 @@ def test_contribution_norms_are_exact_and_do_not_overflow():
     huge = torch.full((1, 32, 64), 1e30)
     assert torch.bmm(huge.transpose(1, 2), huge).isinf().all()  # what float32 aggregation would make of it
     assert math.isfinite(factor_sq_norm(huge, huge)) and factor_sq_norm(huge, huge) > 1e120
+
+
+def test_all_finite_agrees_with_the_element_wise_test_also_where_the_sum_overflows():
+    generator = torch.Generator().manual_seed(0)
+    cases = [torch.randn(1000, generator=generator), torch.full((4,), 3e38), torch.full((70000,), 1.0).half(),
+             torch.tensor([3e38, -3e38, 3e38]), torch.zeros(0), torch.tensor([1, 2], dtype=torch.int64)]
+    assert not torch.isfinite(cases[1].sum()) and not torch.isfinite(cases[2].sum())  # the sums overflow
+    for tensor in cases:
+        assert all_finite(tensor)
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        for tensor in cases[:4]:
+            spoiled = tensor.clone()
+            spoiled[len(spoiled) // 2] = bad
+            assert not all_finite(spoiled), (tensor.dtype, bad)
+    spoiled = torch.randn(8, 8, generator=generator).double()
+    spoiled[3, 5] = float("nan")
+    assert not all_finite(spoiled) and not all_finite(spoiled.t())
 
 
 def test_influence_bound_uses_the_median_of_the_others_from_three_sites():
