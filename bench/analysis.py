@@ -291,7 +291,7 @@ def analyse(out: Path, settings: list[WorkloadSetting], size_sweep: bool = False
             "low_rank": {str(r): parts.low_rank(r) for r in (1, 2, 4, 8)},
             "bound": {str(r): parts.bound(r) for r in (1, 2, 4, 8)},
             "bound_raw_input_dense": {str(r): parts.bound(r, raw_input_dense=True) for r in (1, 2, 4, 8)},
-            "bound_rank_zero": parts.dense / parts.always_dense,
+            "bound_rank_zero": parts.bound_rank_zero,
         }
     sizes = [size_bound(workload, options) for workload, options in SIZE_SWEEP] if size_sweep else []
     failed = sorted(str(path.relative_to(out / RUNS).with_suffix("")) for path in (out / RUNS).rglob("*.failed"))
@@ -313,7 +313,7 @@ def size_bound(workload: str, options: dict) -> dict:
     return {
         "workload": workload, "options": options, "parameters": parts.parameters,
         "always_dense_share": parts.always_dense / parts.dense,
-        "bound": {str(r): parts.bound(r) for r in (1, 8)}, "bound_rank_zero": parts.dense / parts.always_dense,
+        "bound": {str(r): parts.bound(r) for r in (1, 8)}, "bound_rank_zero": parts.bound_rank_zero,
     }
 
 

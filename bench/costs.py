@@ -3,8 +3,10 @@
 Every strategy splits a model's parameters the same way (``Layout``): *captured* layers
 (Linear, Conv) whose weight gradient is Σ_rows Δᵀ A, and everything else — embeddings,
 tied weights, LayerNorm, raw ``nn.Parameter``s — which no factor capture covers and
-which travels dense. Biases of captured layers also travel dense under the low-rank
-strategies (a rank-r product carries no Σ_rows Δ).
+which travels dense. A captured layer's bias gradient Σ_rows Δ is the gradient of one
+more input column of ones, so a rank-r method can send it inside the layer's factors
+(G·r'·(k + 1 + m): rank-dAD does, with error feedback, where the bias is at least a tenth
+of the layer's factors, ``bias_worth_folding``); PowerSGD sends it dense.
 
 Uncovered *matrices* (learned positions, weights tied across modules, raw
 ``nn.Parameter`` matrices; m × k viewed as shape[0] × rest) are compressed from their
@@ -12,17 +14,19 @@ dense gradient at rank r when that pays (rank-dAD with ``raw_input`` allowing it
 PowerSGD); uncovered vectors (norms) stay dense. For a rank-r strategy the floats per
 site and direction per step are therefore at least
 
-    low_rank(r) = uncovered vectors + Σ_layers bias + Σ_layers G·r·(k + m)
+    low_rank(r) = uncovered vectors + Σ_layers G·r·(k + [bias folded] + m) + [bias apart]
                   + Σ_uncovered matrices min(r·(m + k), m·k)
 
-against dSGD's ``dense = Σ all parameters``, so no rank-r method can beat
-``dense / low_rank(r)`` per step; with r → 0 the bound is ``dense / (uncovered
-vectors + biases)``. ``Breakdown`` holds these numbers for one model; the report
+against dSGD's ``dense = Σ all parameters``: ``dense / low_rank(r)`` bounds a rank-r
+method's ratio per step (rank-dAD's bytes by its formula; one that folded every bias
+could send at most a tenth less of a layer); with r → 0 the bound is ``dense /
+uncovered vectors``. ``Breakdown`` holds these numbers for one model; the report
 prints them beside the measured ratios.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +34,7 @@ import torch
 from dadfl.replica import OptimizerConfig, Replica
 from dadfl.simulation import StrategySpec
 from dadfl.strategies import exchange, make_strategy
+from dadfl.strategies.rankdad import bias_worth_folding
 from dadfl.workloads import load_workload
 
 FLOAT_BYTES = 4
@@ -49,8 +54,11 @@ class LayerCost:
         return self.groups * self.k * self.m
 
     def factors(self, rank: int) -> int:
-        """G·r'·(k + m) with r' = min(r, k, m): the rank-r factors of one group each."""
-        return self.groups * min(rank, self.k, self.m) * (self.k + self.m)
+        """G·r'·(k' + m) with k' = k (+ 1 with a bias folded in) and r' = min(r, k', m): the
+        rank-r factors of one group each, plus a bias that travels apart."""
+        folded = self.bias > 0 and bias_worth_folding(self.m, self.k, rank)
+        k = self.k + folded
+        return self.groups * min(rank, k, self.m) * (k + self.m) + (0 if folded else self.bias)
 
 
 @dataclass(frozen=True)
@@ -69,22 +77,28 @@ class Breakdown:
 
     @property
     def always_dense(self) -> int:
-        """What travels dense under any low-rank strategy: uncovered vectors, biases, buffers."""
+        """What travels dense under any low-rank strategy: uncovered vectors, buffers."""
         vectors = sum(count for name, count in self.uncovered.items() if name not in self.uncovered_matrices)
-        return vectors + sum(layer.bias for layer in self.layers) + self.float_buffers
+        return vectors + self.float_buffers
 
     def low_rank(self, rank: int, raw_input_dense: bool = False) -> int:
         """Floats per site per direction of a rank-``rank`` factorisation of every captured
         weight and uncovered matrix (the raw-input layer, and the uncovered matrices, dense
         when ``raw_input_dense``: rank-dAD's default privacy policy)."""
         weights = sum(
-            layer.weight if (raw_input_dense and layer.raw_input) else layer.factors(rank) for layer in self.layers
+            layer.weight + layer.bias if (raw_input_dense and layer.raw_input) else layer.factors(rank)
+            for layer in self.layers
         )
         matrices = sum(
             m * k if raw_input_dense else min(min(rank, m, k) * (m + k), m * k)
             for m, k in self.uncovered_matrices.values()
         )
         return self.always_dense + weights + matrices
+
+    @property
+    def bound_rank_zero(self) -> float:
+        """dSGD bytes over the always-dense bytes: the bound as r → 0 (∞ when nothing is always dense)."""
+        return self.dense / self.always_dense if self.always_dense else math.inf
 
     def bound(self, rank: int, raw_input_dense: bool = False) -> float:
         """dSGD bytes over rank-r bytes per step: no rank-r method compresses more."""

@@ -42,6 +42,11 @@ def ratio(value: float | None) -> str:
     return "–" if value is None else f"{value:.1f}×"
 
 
+def times(bound: float) -> str:
+    """A bound as a whole ratio; ∞ where nothing bounds it (nothing always dense)."""
+    return "∞" if math.isinf(bound) else f"{bound:.0f}×"
+
+
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
@@ -156,7 +161,7 @@ def target_a_rows(results: dict, settings: list[dict]) -> tuple[list[list[str]],
             percent(group["target"]), human_bytes(dsgd["bytes_to_target"]) if dsgd["bytes_to_target"] else "–",
             best["label"] if best else "none reached the target",
             human_bytes(best["bytes_to_target"]) if best else "–", ratio(value),
-            ratio(bound), f"{cost['bound_rank_zero']:.0f}×", "**met**" if ok else "not met",
+            ratio(bound), times(cost['bound_rank_zero']), "**met**" if ok else "not met",
             f"{power['label']}: {ratio(power['bytes_ratio_vs_dsgd'])}" if power else "none reached the target",
             {True: "**yes**", False: "no", None: "neither reached"}[beats],
         ])
@@ -264,7 +269,7 @@ def cost_rows(results: dict, settings: list[dict]) -> list[list[str]]:
         rows.append([
             setting["key"], f"{cost['parameters']:,}", f"{sum(l['weight'] for l in cost['layers']):,}",
             f"{biases:,}", uncovered, *(f"{cost['bound'][r]:.0f}×" for r in ("1", "2", "4", "8")),
-            f"{cost['bound_raw_input_dense']['1']:.0f}×", f"{cost['bound_rank_zero']:.0f}×",
+            f"{cost['bound_raw_input_dense']['1']:.0f}×", times(cost['bound_rank_zero']),
         ])
     return rows
 
@@ -438,15 +443,17 @@ def write_report(
         "### Why a model's shape caps the ratio: the cost formula",
         "",
         "Per site and direction, dSGD moves every parameter. A rank-r method moves, per captured layer (G groups,",
-        "k inputs and m outputs per group), G·r'·(k + m) factor floats with r' = min(r, k, m), per uncovered matrix",
-        "(token embedding tied to the head, learned positions; m × k) min(r'·(m + k), m·k), plus everything that is",
-        "*always dense*: uncovered vectors (LayerNorm), every captured layer's bias, floating buffers. So per step",
+        "k inputs and m outputs per group), G·r'·(k' + m) factor floats with k' = k + 1 when the layer has a bias",
+        "(its gradient Σ_rows Δ is that of one more input column of ones: rank-dAD folds it in where it is at least",
+        "a tenth of the layer's factors; PowerSGD sends it dense, G·m floats more) and r' = min(r, k', m), per",
+        "uncovered matrix (token embedding tied to the head, learned positions; m × k) min(r'·(m + k), m·k), plus",
+        "everything that is *always dense*: uncovered vectors (LayerNorm), floating buffers. So per step",
         "",
-        "    ratio ≤ Σ parameters / (always-dense + Σ_layers G·r'·(k + m) + Σ_matrices min(r'·(m + k), m·k))",
+        "    ratio ≤ Σ parameters / (always-dense + Σ_layers G·r'·(k' + m) + Σ_matrices min(r'·(m + k), m·k))",
         "",
         "and, as r → 0, ratio ≤ Σ parameters / always-dense. A model whose always-dense share is over 1% cannot",
         "reach 100× at any rank: that is why the benchmark sizes a wide MLP (hidden 1024: the 1024×1024 matrix",
-        "dominates) and a 3.5M-parameter transformer (d_model 384), where biases and LayerNorms are under 1%.",
+        "dominates) and a 3.5M-parameter transformer (d_model 384), where LayerNorms are under 1%.",
         "With the default `raw_input=\"dense\"`, the raw-input layer (the MLP's 64 × hidden) and the uncovered",
         "matrices travel dense in rank-dAD: the *raw input dense* column.",
         "",
@@ -466,7 +473,7 @@ def write_report(
         ["workload", "options", "parameters", "always-dense share", "bound r=1", "bound r=8", "bound r→0"],
         [[z["workload"], ", ".join(f"{k}={v}" for k, v in z["options"].items()), f"{z['parameters']:,}",
           f"{100 * z['always_dense_share']:.2f}%", f"{z['bound']['1']:.0f}×", f"{z['bound']['8']:.0f}×",
-          f"{z['bound_rank_zero']:.0f}×"] for z in results["sizes"]],
+          times(z['bound_rank_zero'])] for z in results["sizes"]],
     )
 
     rows, wins, judged = dominance_rows(results, settings)
@@ -483,7 +490,8 @@ def write_report(
     lines += [
         "What differs between the two by construction (see `strategies/rankdad.py` and `strategies/powersgd.py`):",
         "",
-        "- Bytes at equal rank r: both upload r·(k + m) floats per compressed matrix plus dense biases, and both",
+        "- Bytes at equal rank r: both upload r·(k + m) floats per compressed matrix; rank-dAD folds a layer's bias",
+        "  into its factors (r more floats) where it is at least a tenth of them, PowerSGD sends it dense (m more); both",
         "  compress every matrix-shaped parameter (rank-dAD the uncovered ones from their dense gradient). rank-dAD",
         "  re-reduces the sites' factors to rank r on the server (one round trip); PowerSGD sends P̂ and Q back",
         "  (r·(k + m)) in two round trips. PowerSGD skips matrices where r·(n + m) is over half of n·m; rank-dAD",

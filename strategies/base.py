@@ -412,5 +412,9 @@ def decode_message(layout: Layout, message: Payload) -> dict[str, torch.Tensor]:
                 update[layer.bias] = bias / total
         elif p_key in message.tensors:
             P, Q = message.tensors[p_key], message.tensors[tensor_key(layer.module, "Q")]
-            update[layer.weight] = torch.bmm(P, Q.transpose(1, 2)).reshape(layer.weight_shape).div_(total)
+            if layer.bias and Q.shape[1] == layer.in_per_group + 1:  # the bias folded in as Q's last row
+                X = torch.bmm(P, Q.transpose(1, 2)).div_(total)
+                update[layer.weight], update[layer.bias] = X[..., :-1].reshape(layer.weight_shape), X[..., -1].reshape(-1)
+            else:
+                update[layer.weight] = torch.bmm(P, Q.transpose(1, 2)).reshape(layer.weight_shape).div_(total)
     return update

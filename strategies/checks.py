@@ -146,14 +146,16 @@ class ModelFacts:
             lookups_per_sample=self.lookups_per_sample.get(layer.module),
         )
 
-    def layer_low_rank(self, layer: CapturedLayer, max_rank: int) -> Form:
-        """P (groups, m, RANK) and Q (groups, k, RANK), the bias dense."""
+    def layer_low_rank(self, layer: CapturedLayer, max_rank: int, bias_folded: bool = False) -> Form:
+        """P (groups, m, RANK) and Q (groups, k, RANK), the bias dense; ``bias_folded``: Q has
+        one row more, the bias's, and no bias travels apart."""
         dtype = self.params[layer.weight][1]
+        folded = bool(bias_folded and layer.bias)
         tensors = {
             tensor_key(layer.module, "P"): Spec((layer.groups, layer.out_per_group, RANK), dtype),
-            tensor_key(layer.module, "Q"): Spec((layer.groups, layer.in_per_group, RANK), dtype),
+            tensor_key(layer.module, "Q"): Spec((layer.groups, layer.in_per_group + folded, RANK), dtype),
         }
-        if layer.bias:
+        if layer.bias and not folded:
             tensors.update(self.dense(layer.bias).tensors)
         return Form("low-rank factors", tensors, max_rank=max_rank)
 

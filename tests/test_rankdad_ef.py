@@ -8,6 +8,7 @@ from dadfl.simulation import SimulationConfig, StrategySpec, simulate
 from dadfl.metrics import MetricsWriter, read_metrics
 from dadfl.strategies import Layout, apply_update, local_step, make_strategy, reference_update
 from dadfl.strategies.base import Payload
+from dadfl.strategies.rankdad import folds_bias
 from dadfl.strategies.step import exchange
 
 from model_zoo import build, per_sample_cross_entropy, site_batches
@@ -30,7 +31,13 @@ def one_step(strategy, model, layout, sites, server, step, kind):
 
 
 def weights(layout, values):
-    return torch.cat([values[layer.weight].reshape(-1) for layer in layout.layers])
+    """Every captured layer's (G, m, k + 1) matrix of weight and bias (at rank 1 each bias
+    is folded in, and this is the matrix rank-dAD compresses), flattened."""
+    assert all(folds_bias(l, 1) for l in layout.layers)
+    return torch.cat([
+        torch.cat((values[l.weight].reshape(l.groups, l.out_per_group, -1), values[l.bias].reshape(l.groups, -1, 1)), dim=2).reshape(-1)
+        for l in layout.layers
+    ])
 
 
 @pytest.mark.parametrize("reduce_on_server", [True, False])
@@ -103,8 +110,12 @@ def test_uncovered_matrices_travel_as_factors_with_the_formula_bytes():
     embed = next(l for l in layout.layers if l.module == "embed")
     assert embed.forms == ("embedding", "linear") and embed.raw_input
     dense_rest = sum(int(torch.tensor(layout.shape(n)).prod()) for n in layout.uncovered if n != "position")
-    layers = sum(l.groups * min(2, l.out_per_group, l.in_per_group) * (l.in_per_group + l.out_per_group)
-                 + (l.out_features if l.bias else 0) for l in layout.layers if l is not embed)
+    layers = 0
+    for l in layout.layers:
+        if l is not embed:  # a bias folded in is one more input column, else it travels apart
+            k = l.in_per_group + folds_bias(l, 2)
+            layers += l.groups * min(2, l.out_per_group, k) * (k + l.out_per_group)
+            layers += l.out_features if l.bias and not folds_bias(l, 2) else 0
     for rank, raw_input in ((2, "low_rank"), (5, "low_rank"), (2, "dense")):
         strategy = make_strategy("rankdad", rank=rank, raw_input=raw_input)
         sites, server = [strategy.site(layout, model) for _ in SIZES], strategy.server(layout, model)
