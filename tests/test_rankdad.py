@@ -65,7 +65,6 @@ def test_bias_apart_is_exact_at_any_rank_and_folded_travels_in_the_factors(rank)
     model = build("cnn")
     batches = site_batches("cnn", sizes=SIZES)
     reference = reference_update(model, per_sample_cross_entropy, batches)
-    biases = ("conv1.bias", "conv2.bias", "head.bias")
     for reduce_on_server in (False, True):
         for folded in (False, True):
             strategy = make_strategy("rankdad", rank=rank, raw_input="low_rank", reduce_on_server=reduce_on_server,
