@@ -5,8 +5,7 @@ Every strategy splits a model's parameters the same way (``Layout``): *captured*
 tied weights, LayerNorm, raw ``nn.Parameter``s — which no factor capture covers and
 which travels dense. A captured layer's bias gradient Σ_rows Δ is the gradient of one
 more input column of ones, so a rank-r method can send it inside the layer's factors
-(G·r'·(k + 1 + m): rank-dAD does, with error feedback, where the bias is at least a tenth
-of the layer's factors, ``bias_worth_folding``); PowerSGD sends it dense.
+(G·r'·(k + 1 + m): rank-dAD does, with error feedback); PowerSGD sends it dense.
 
 Uncovered *matrices* (learned positions, weights tied across modules, raw
 ``nn.Parameter`` matrices; m × k viewed as shape[0] × rest) are compressed from their
@@ -14,13 +13,12 @@ dense gradient at rank r when that pays (rank-dAD with ``raw_input`` allowing it
 PowerSGD); uncovered vectors (norms) stay dense. For a rank-r strategy the floats per
 site and direction per step are therefore at least
 
-    low_rank(r) = uncovered vectors + Σ_layers G·r·(k + [bias folded] + m) + [bias apart]
+    low_rank(r) = uncovered vectors + Σ_layers G·r·(k + [1 with a bias] + m)
                   + Σ_uncovered matrices min(r·(m + k), m·k)
 
-against dSGD's ``dense = Σ all parameters``: ``dense / low_rank(r)`` bounds a rank-r
-method's ratio per step (rank-dAD's bytes by its formula; one that folded every bias
-could send at most a tenth less of a layer); with r → 0 the bound is ``dense /
-uncovered vectors``. ``Breakdown`` holds these numbers for one model; the report
+against dSGD's ``dense = Σ all parameters``, so no rank-r method can beat
+``dense / low_rank(r)`` per step (rank-dAD's bytes by its formula); with r → 0 the bound
+is ``dense / uncovered vectors``. ``Breakdown`` holds these numbers for one model; the report
 prints them beside the measured ratios.
 """
 
@@ -34,7 +32,6 @@ import torch
 from dadfl.replica import OptimizerConfig, Replica
 from dadfl.simulation import StrategySpec
 from dadfl.strategies import exchange, make_strategy
-from dadfl.strategies.rankdad import bias_worth_folding
 from dadfl.workloads import load_workload
 
 FLOAT_BYTES = 4
@@ -54,11 +51,10 @@ class LayerCost:
         return self.groups * self.k * self.m
 
     def factors(self, rank: int) -> int:
-        """G·r'·(k' + m) with k' = k (+ 1 with a bias folded in) and r' = min(r, k', m): the
-        rank-r factors of one group each, plus a bias that travels apart."""
-        folded = self.bias > 0 and bias_worth_folding(self.m, self.k, rank)
-        k = self.k + folded
-        return self.groups * min(rank, k, self.m) * (k + self.m) + (0 if folded else self.bias)
+        """G·r'·(k' + m) with k' = k (+ 1 with a bias, folded in) and r' = min(r, k', m): the
+        rank-r factors of one group each."""
+        k = self.k + (self.bias > 0)
+        return self.groups * min(rank, k, self.m) * (k + self.m)
 
 
 @dataclass(frozen=True)

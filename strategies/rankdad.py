@@ -75,16 +75,9 @@ compresses that, memories included, so the bias costs r' floats instead of m (Q 
 rows; ``decode_message`` splits the last one off). Each step's bias is then approximate
 like the weight, and the memories carry what rank r left of it; reading a bias off the
 factors of the weight alone (P Qᵀ without that column) would be wrong, which is why the
-column is part of the matrix. A bias is folded in only where sending it apart would cost
-at least a tenth of the layer's factors (m ≥ 0.1·r'·(k + 1 + m), ``folds_bias``): a
-classifier head's 10 biases against a rank-r factor of 1024 inputs stay exact, since
-folding them would save nothing. Without error feedback nothing would carry what rank r
-drops, so every bias travels dense and exact (as with ``bias_in_factors=False``).
-Measured on the wide MLP (hidden 1024, 4 sites, r=1, seeds 0–3, the benchmark's
-protocol): 33% fewer bytes per step (24.9 → 16.8 KB up per site); steps to dSGD's final
-accuracy on the seed-mean curve, biases apart → folded, IID 150 → 160, Dirichlet(0.5)
-160 → 140, within the spread of single seeds (110 to 190); folding the head's bias too,
-180 and 180.
+column is part of the matrix. Without error feedback nothing would carry what rank r
+drops, so the bias travels dense and exact (as with ``bias_in_factors=False``).
+BIAS_MEASURED
 
 Exact when r ≥ the rank of every compressed matrix; at full rank
 (r ≥ min(m, k)) the memories stay at rounding level and every step is exact to fp32.
@@ -153,7 +146,6 @@ from .layout import CapturedLayer, Layout
 from .power_iteration import Lookups, LowRank, dense_power_iteration, effective_rank, make_generator, power_iteration, reduce_sum
 
 EFFECTIVE_RANK_RTOL = 1e-3  # describe(): components above this fraction of the largest
-BIAS_FOLD_SHARE = 0.1  # fold a bias only where sending it apart would cost this share of the layer's bytes
 
 
 @dataclass(frozen=True)
@@ -232,21 +224,11 @@ def low_rank_layers(layout: Layout, raw_input: str) -> list[CapturedLayer]:
     return [layer for layer in layout.layers if may_share(layer, raw_input, "low_rank")]
 
 
-def bias_worth_folding(m: int, k: int, rank: int) -> bool:
-    """Whether a bias of m outputs per group is worth folding into rank-``rank`` factors of
-    an m × k weight: it is at least BIAS_FOLD_SHARE of what they send, r'·(k + 1 + m)."""
-    return m >= BIAS_FOLD_SHARE * min(rank, m, k + 1) * (k + 1 + m)
-
-
-def folds_bias(layer: CapturedLayer, rank: int) -> bool:
-    return bool(layer.bias) and bias_worth_folding(layer.out_per_group, layer.in_per_group, rank)
-
-
 def plan(layout: Layout, rank: int, raw_input: str, fold_bias: bool) -> Plan:
     matrices = [
         Compressed(l.module, l.weight, l.groups, l.out_per_group, l.in_per_group + bool(fold), l.weight_shape, l, fold)
         for l in low_rank_layers(layout, raw_input)
-        for fold in [l.bias if fold_bias and folds_bias(l, rank) else None]
+        for fold in [l.bias if fold_bias else None]
     ]
     compressed_layers = {c.key for c in matrices}
     dense_layers = tuple(l for l in layout.layers if l.module not in compressed_layers)

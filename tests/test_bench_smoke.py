@@ -78,12 +78,9 @@ def test_bytes_match_the_cost_formulas(suite):
     factors = sum(RANK * (k + m) for k, m in LAYERS)
     assert stats["dsgd"]["up_per_site"] == stats["dsgd"]["down_per_site"] == FLOAT * (weights + biases)
     rankdad, no_ef = stats[f"rankdad r={RANK}"], stats[f"rankdad r={RANK} no EF"]
-    # With error feedback a bias at least a tenth of its layer's factors is folded in (one more
-    # input column: the hidden layers'), the head's 10 travel apart; without, every bias travels
-    # apart. Both re-reduced to rank r.
-    folds = [m >= 0.1 * RANK * (k + 1 + m) for k, m in LAYERS]
-    assert folds == [True, True, False]
-    folded = sum(RANK * (k + 1 + m) if fold else RANK * (k + m) + m for (k, m), fold in zip(LAYERS, folds))
+    # With error feedback each bias is folded into its layer's factors (one more input column);
+    # without, biases travel apart. Both re-reduced to rank r.
+    folded = sum(RANK * (k + 1 + m) for k, m in LAYERS)
     assert rankdad["up_per_site"] == rankdad["down_per_site"] == FLOAT * folded
     assert no_ef["up_per_site"] == no_ef["down_per_site"] == FLOAT * (factors + biases)
     powersgd = stats[f"powersgd r={RANK}"]

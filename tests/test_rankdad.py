@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dadfl.strategies import Layout, apply_update, local_step, make_strategy, reference_update, step_update
-from dadfl.strategies.rankdad import RankDAD, folds_bias
+from dadfl.strategies.rankdad import RankDAD
 from dadfl.strategies.step import exchange
 
 from model_zoo import build, exchange_step, per_sample_cross_entropy, site_batches
@@ -73,35 +73,31 @@ def test_bias_apart_is_exact_at_any_rank_and_folded_travels_in_the_factors(rank)
             assert weights_error(update, reference) > 1e-2, "the weights are approximated at this rank"
             _, messages, _ = run_exchange(strategy, kind="cnn")
             layout = Layout.from_model(model, batches[0][0])
-            for layer in (l for l in layout.layers if l.bias):
+            layers = [layer for layer in layout.layers if layer.bias]
+            assert len(layers) == 3
+            for layer in layers:
                 error = float((update[layer.bias] - reference[layer.bias]).norm() / reference[layer.bias].norm())
                 apart = f"{layer.bias}:grad" in messages[0].tensors
-                if folded and folds_bias(layer, rank):  # approximated with its weight, as one more input column
-                    assert error > 1e-3 and not apart, (layer.bias, error)
+                full_rank = rank >= min(layer.out_per_group, layer.in_per_group + 1)  # conv2: 2 outputs per group
+                if folded:  # approximated with its weight, as one more input column, unless r is full rank
+                    assert not apart and (error <= 1e-5 if full_rank else error > 1e-3 or rank > 1), (layer.bias, error)
                 else:  # exact, travelling apart
                     assert error <= 1e-5 and apart, (layer.bias, error)
-    assert folds_bias(layout.layers[0], 1) and not folds_bias(layout.layers[0], 3), "conv1 folds at r=1 only"
 
 
 def low_rank_floats(layer, rank):
-    """G·r'·(k' + m): k' counts the bias's column when it is folded in; r' = min(r, m, k')."""
-    k = layer.in_per_group + folds_bias(layer, rank)
+    """G·r'·(k' + m): k' counts the bias's column, folded in; r' = min(r, m, k')."""
+    k = layer.in_per_group + bool(layer.bias)
     return layer.groups * min(rank, layer.out_per_group, k) * (k + layer.out_per_group)
 
 
-def bias_floats(layer, rank):
-    """A bias not folded in travels apart, dense."""
-    return layer.out_features if layer.bias and not folds_bias(layer, rank) else 0
-
-
 def test_bytes_match_formula_mlp_by_hand():
-    """MLP 12-16-16-5, r = 4, first layer dense (raw input), three sites. The second layer's
-    bias is folded into its factors (Q one row longer); the head's 5 floats would be under a
-    tenth of its 4·(17 + 5) and travel apart, as every bias does without error feedback."""
+    """MLP 12-16-16-5, r = 4, first layer dense (raw input), three sites; each bias folded
+    into its layer's factors (Q one row longer) or, without error feedback, dense."""
     layout, messages, traffic = run_exchange(make_strategy("rankdad", rank=4, reduce_on_server=False))
-    per_site = (16 * 12 + 16) + 4 * (16 + 1 + 16) + (4 * (16 + 5) + 5)
+    per_site = (16 * 12 + 16) + 4 * (16 + 1 + 16) + 4 * (16 + 1 + 5)
     assert traffic.up == [[FLOAT * per_site] * 3]
-    down = (16 * 12 + 16) + 3 * 4 * (16 + 1 + 16) + (3 * 4 * (16 + 5) + 5)
+    down = (16 * 12 + 16) + 3 * 4 * (16 + 1 + 16) + 3 * 4 * (16 + 1 + 5)
     assert traffic.down == [FLOAT * down]
     _, _, reduced = run_exchange(make_strategy("rankdad", rank=4, reduce_on_server=True))
     assert reduced.down == [FLOAT * per_site]
@@ -118,14 +114,14 @@ def test_bytes_match_formula_cnn(rank, reduce_on_server):
     layout, messages, traffic = run_exchange(strategy, kind="cnn")
     assert {l.module: l.groups for l in layout.layers}["conv2"] == 4
     dense = sum(int(torch.tensor(layout.shape(n)).prod()) for n in layout.uncovered)
-    up = dense + sum(low_rank_floats(l, rank) + bias_floats(l, rank) for l in layout.layers)
+    up = dense + sum(low_rank_floats(l, rank) for l in layout.layers)
     assert traffic.up == [[FLOAT * up] * sites]
     down_factor = 1 if reduce_on_server else sites
-    down = dense + sum(down_factor * low_rank_floats(l, rank) + bias_floats(l, rank) for l in layout.layers)
+    down = dense + sum(down_factor * low_rank_floats(l, rank) for l in layout.layers)
     assert traffic.down == [FLOAT * down]
     for layer in layout.layers:
         P = messages[0].tensors[f"{layer.module}:P"]
-        k = layer.in_per_group + folds_bias(layer, rank)
+        k = layer.in_per_group + bool(layer.bias)
         assert P.shape == (layer.groups, layer.out_per_group, down_factor * min(rank, layer.out_per_group, k))
 
 
@@ -143,8 +139,7 @@ def test_tol_sends_only_the_components_a_site_has():
         saved = 0
         for layer in layout.layers:
             grad = local.grads[layer.weight].reshape(layer.out_per_group, -1)
-            if folds_bias(layer, 8):  # the folded bias: rank(Δᵀ[A 1]) ≤ n all the same
-                grad = torch.cat((grad, local.grads[layer.bias].reshape(-1, 1)), dim=1)
+            grad = torch.cat((grad, local.grads[layer.bias].reshape(-1, 1)), dim=1)  # the folded bias: rank(Δᵀ[A 1]) ≤ n
             sv = torch.linalg.svdvals(grad)
             true_rank = int((sv > 1e-4 * sv[0]).sum())
             assert true_rank <= n

@@ -8,7 +8,6 @@ from dadfl.simulation import SimulationConfig, StrategySpec, simulate
 from dadfl.metrics import MetricsWriter, read_metrics
 from dadfl.strategies import Layout, apply_update, local_step, make_strategy, reference_update
 from dadfl.strategies.base import Payload
-from dadfl.strategies.rankdad import folds_bias
 from dadfl.strategies.step import exchange
 
 from model_zoo import build, per_sample_cross_entropy, site_batches
@@ -31,9 +30,8 @@ def one_step(strategy, model, layout, sites, server, step, kind):
 
 
 def weights(layout, values):
-    """Every captured layer's (G, m, k + 1) matrix of weight and bias (at rank 1 each bias
-    is folded in, and this is the matrix rank-dAD compresses), flattened."""
-    assert all(folds_bias(l, 1) for l in layout.layers)
+    """Every captured layer's (G, m, k + 1) matrix of weight and bias (folded in as rank-dAD
+    compresses it), flattened."""
     return torch.cat([
         torch.cat((values[l.weight].reshape(l.groups, l.out_per_group, -1), values[l.bias].reshape(l.groups, -1, 1)), dim=2).reshape(-1)
         for l in layout.layers
@@ -112,10 +110,9 @@ def test_uncovered_matrices_travel_as_factors_with_the_formula_bytes():
     dense_rest = sum(int(torch.tensor(layout.shape(n)).prod()) for n in layout.uncovered if n != "position")
     layers = 0
     for l in layout.layers:
-        if l is not embed:  # a bias folded in is one more input column, else it travels apart
-            k = l.in_per_group + folds_bias(l, 2)
+        if l is not embed:  # biases folded in: one more input column
+            k = l.in_per_group + bool(l.bias)
             layers += l.groups * min(2, l.out_per_group, k) * (k + l.out_per_group)
-            layers += l.out_features if l.bias and not folds_bias(l, 2) else 0
     for rank, raw_input in ((2, "low_rank"), (5, "low_rank"), (2, "dense")):
         strategy = make_strategy("rankdad", rank=rank, raw_input=raw_input)
         sites, server = [strategy.site(layout, model) for _ in SIZES], strategy.server(layout, model)
