@@ -48,6 +48,8 @@ from .layout import CapturedLayer, Layout
 ROWS = "rows"
 RANK = "rank"
 LOOKUPS = "lookups"
+
+
 def all_finite(tensor: torch.Tensor) -> bool:
     """Whether every element is finite. A sum with an Inf or NaN term is never finite, so a
     finite sum settles it in one pass without a mask as large as the tensor (20× faster on
