@@ -23,7 +23,7 @@ checked that it equals Δ_sᵀ A_s), and runs the passes on it: 4·m·k·r' flop
 where applying M_s v = Δ_sᵀ(A_s v)/n_s + e_s v takes 2·(n·(k + m) + m·k)·r' and the
 residual then needs Δ_sᵀ A_s all the same. The server forms X once the same way. Measured
 on the wide MLP (``python -m bench.bench_compute``, r=2, one thread): the site half 4.3 →
-2.2 ms per step (PowerSGD's: 2.4 ms), the server's 3.6 → 2.7 ms. Without error feedback
+2.0 ms per step (PowerSGD's: 2.5 ms), the server's 3.6 → 2.3 ms, biases folded in. Without error feedback
 nothing is dense and the passes never form Δ_sᵀ A_s. With ``reduce_on_server=False`` the
 server concatenates the factors instead (rank ≤ S·r down, nothing dropped, no server
 memory).
@@ -174,18 +174,28 @@ class Compressed:
     layer: CapturedLayer | None  # None: an uncovered parameter, compressed from its dense gradient
     bias: str | None = None  # the bias folded in as the last column
 
-    def matrix(self, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor | None:
-        """The (G, m, k) matrix of a weight's and (folded) its bias's gradients; a missing
-        part is zero; None when both are."""
+    def matrix(
+        self, weight: torch.Tensor | None, bias: torch.Tensor | None, scale: float = 1.0, memory: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """scale·[weight bias] + memory, the (G, m, k) matrix of a weight's and (folded) its
+        bias's gradients, each part written once into the result (no [weight bias] copy
+        first); a missing part is zero; None when both are."""
         if weight is None and (bias is None or self.bias is None):
             return None
         like = weight if weight is not None else bias
-        shape = (self.groups, self.m, self.k - (self.bias is not None))
-        weight = like.new_zeros(shape) if weight is None else weight.reshape(shape)
+        width = self.k - (self.bias is not None)
+        weight = like.new_zeros(self.weight_shape) if weight is None else weight
         if self.bias is None:
-            return weight
-        bias = like.new_zeros(self.groups, self.m, 1) if bias is None else bias.reshape(self.groups, self.m, 1)
-        return torch.cat((weight, bias), dim=2)
+            return with_memory(weight.reshape(self.groups, self.m, width), scale, memory)
+        bias = like.new_zeros(self.m * self.groups) if bias is None else bias
+        out = like.new_empty(self.groups, self.m, self.k)
+        for part, columns in ((weight, slice(0, width)), (bias, slice(width, None))):
+            part = part.reshape(self.groups, self.m, -1)
+            if memory is None:
+                torch.mul(part, scale, out=out[..., columns])
+            else:
+                torch.add(memory[..., columns], part, alpha=scale, out=out[..., columns])
+        return out
 
     def dense(self, M: torch.Tensor, with_bias: bool) -> dict[str, torch.Tensor]:
         """Payload entries of a (G, m, k) matrix sent dense: the weight's gradient and, when
@@ -357,11 +367,12 @@ class RankDADSite:
         shape = (target.groups, target.m, target.k)
         passes = dict(iterations=options.iterations, warm_start=state.warm.get(target.key), tol=options.tol)
         factors = local.factors.get(target.key) if target.layer is not None else None
-        grad = target.matrix(local.grads.get(target.weight), local.grads.get(target.bias))
+        weight, bias = local.grads.get(target.weight), local.grads.get(target.bias)
         if target.layer is not None and factors is None:
             # Not called this step: its gradient (if any) plus what the memory holds travels
             # dense, which empties the memory.
             with_bias = memory is not None or target.bias in local.grads
+            grad = target.matrix(weight, bias)
             if memory is not None:
                 grad = n * memory + (0 if grad is None else grad)
             state.errors.pop(target.key, None)
@@ -375,12 +386,12 @@ class RankDADSite:
         else:
             # The memory update needs M dense, so the passes run on it: the gradient is
             # autograd's (the probe checked it equals Dᵀ A), or rebuilt from the factors.
-            if grad is None and factors is not None:
-                grad = target.matrix(*layer_gradient(target.layer, factors.tensors(target.key)))
-            if grad is None:  # this batch did not reach it: a zero gradient, as PowerSGD counts it
+            if factors is not None and weight is None and (bias is None or target.bias is None):
+                weight, bias = layer_gradient(target.layer, factors.tensors(target.key))
+            M = target.matrix(weight, bias, 1.0 / n, memory)
+            if M is None:  # this batch did not reach it: a zero gradient, as PowerSGD counts it
                 like = memory if memory is not None else next(iter(local.grads.values()), None)
-                grad = torch.zeros(shape) if like is None else like.new_zeros(shape)
-            M = with_memory(grad, 1.0 / n, memory)
+                M = with_memory(torch.zeros(shape) if like is None else like.new_zeros(shape), 1.0 / n, memory)
             result, residual = compress_dense(M, options.rank, options.error_feedback,
                                               generator=state.generators.on(M.device), **passes)
             if residual is not None:
