@@ -7,6 +7,8 @@ Definitions (the report states them too):
   these divided by the number of sites. *Total* = up + down.
 - **Curves** are seed means: at every evaluation step, the mean held-out metric over
   seeds against the mean cumulative total bytes.
+- **Final metric**: the held-out metric at the setting's last step (dSGD's), seed mean;
+  strategies that run on (``catch_up``) are read at that same step.
 - **Target** of a group (setting, sites, split): dSGD's final metric, seed mean, minus
   0.5 point (0.005 of accuracy). **Steps / bytes to target**: the first evaluation step
   at which a strategy's seed-mean curve reaches the target, and the cumulative bytes
@@ -112,14 +114,18 @@ class StrategyStats:
     bytes_ratio_vs_dsgd: float | None = None  # dSGD's bytes to target / this strategy's
 
 
-def strategy_stats(runs: list[Run], trips: int) -> StrategyStats:
+def strategy_stats(runs: list[Run], trips: int, final_step: int) -> StrategyStats:
+    """Statistics over seeds; the final metric is the one at ``final_step`` (the setting's steps,
+    dSGD's last), also for a strategy that ran on to catch up."""
     first = runs[0].summary
     spec = StrategySpec(**first["spec"])
     steps = runs[0].eval_steps
     if any(run.eval_steps != steps for run in runs):
         raise ValueError(f"{first['group']}/{spec.display}: seeds evaluated at different steps")
+    if final_step not in steps:
+        raise ValueError(f"{first['group']}/{spec.display}: no evaluation at step {final_step}, the setting's last")
     sites = first["sites"]
-    finals = [run.summary["metric"] for run in runs]
+    finals = [run.metric[steps.index(final_step)] for run in runs]
     layers = sorted({name for run in runs for name in run.ranks})
     ranks = {
         name: [mean(values) for values in zip(*(run.ranks[name] for run in runs if name in run.ranks))] for name in layers
@@ -260,7 +266,7 @@ def analyse(out: Path, settings: list[WorkloadSetting], size_sweep: bool = False
             key = (setting.key, label)
             if key not in trips_cache:
                 trips_cache[key] = round_trips(setting.workload, {**setting.options, "seed": 0}, spec)
-            strategies[label] = strategy_stats(runs, trips_cache[key])
+            strategies[label] = strategy_stats(runs, trips_cache[key], setting.steps)
         target = None
         if "dsgd" in strategies:
             target = strategies["dsgd"].final_mean - TARGET_TOLERANCE

@@ -42,7 +42,7 @@ def simulation_config(cell: Cell) -> SimulationConfig:
         partition=cell.partition,
         alpha=DIRICHLET_ALPHA,
         batch_size=setting.batch_size,
-        steps=setting.steps,
+        steps=cell.steps,
         eval_every=setting.eval_every,
         seed=cell.seed,
         device="cpu",
@@ -73,6 +73,7 @@ def run_cell(cell: Cell, out: Path) -> tuple[float, bool]:
             "sites": cell.sites,
             "partition": cell.partition,
             "seed": cell.seed,
+            "eval_every": cell.setting.eval_every,
             "spec": cell.strategy.model_dump(),
             "wall_seconds": time.perf_counter() - start,
         }
@@ -82,7 +83,16 @@ def run_cell(cell: Cell, out: Path) -> tuple[float, bool]:
 
 
 def pending(cells: list[Cell], out: Path) -> list[Cell]:
-    return [cell for cell in cells if not cell_paths(out, cell)[1].exists()]
+    """Cells without a finished run of their current length and evaluation grid: a setting
+    whose steps or grid changed runs again instead of reusing an older, different run."""
+    return [cell for cell in cells if not finished_as_now(cell_paths(out, cell)[1], cell)]
+
+
+def finished_as_now(summary_path: Path, cell: Cell) -> bool:
+    if not summary_path.exists():
+        return False
+    summary = json.loads(summary_path.read_text())
+    return summary["steps"] == cell.steps and summary.get("eval_every") == cell.setting.eval_every
 
 
 def run_cells(cells: list[Cell], out: Path, jobs: int, log: Callable[[str], None] = print) -> None:

@@ -47,6 +47,12 @@ def times(bound: float) -> str:
     return "∞" if math.isinf(bound) else f"{bound:.0f}×"
 
 
+def steps_text(setting: dict) -> str:
+    """A setting's steps, with how far the approximate strategies may run on (``catch_up``)."""
+    steps = setting["steps"]
+    return f"{steps}, others ≤ {steps * setting['catch_up']}" if setting["catch_up"] > 1 else str(steps)
+
+
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
@@ -203,7 +209,7 @@ def rank_for_rank_rows(results: dict, settings: list[dict]) -> tuple[list[str], 
                 found = [s for s in group["strategies"].values() if s["name"] == name and s["options"].get("rank") == r
                          and (ef is None or (s["options"].get("error_feedback") is not False) == ef)]
                 row.append("n/a" if not found else ratio(found[0]["bytes_ratio_vs_dsgd"]) if found[0]["bytes_ratio_vs_dsgd"]
-                           else f"– ({percent(found[0]['final_mean'])}%)")
+                           else f"– ({percent(found[0]['curve_metric'][-1])}% at {found[0]['curve_steps'][-1]})")
         rows.append(row)
     return header, rows
 
@@ -364,7 +370,7 @@ def write_report(
         "",
         "- **up / site / step**, **down / site / step**: bytes one site sends / receives per step (mean over sites and steps).",
         "  **total / step** = up + down summed over all sites.",
-        "- **final metric**: held-out metric after the fixed number of steps, mean ± standard deviation over seeds.",
+        "- **final metric**: held-out metric at the setting's last step (dSGD's), mean ± standard deviation over seeds.",
         f"- **target**: dSGD's final metric (seed mean) minus {100 * TARGET_TOLERANCE:.1f} point. **steps to target**: first",
         "  evaluation step at which the seed-mean curve reaches it; in brackets the number of seeds whose own curve",
         "  reaches it. **bytes to target**: cumulative total bytes by then. **fewer bytes than dSGD**: dSGD's bytes to",
@@ -377,6 +383,13 @@ def write_report(
         "  where it holds, the worst gap in points, and rank-by-rank comparisons (each rank-dAD r against PowerSGD r).",
         "- **round trips**: server exchanges per step, counted by running one step.",
     ]
+    if any(s["catch_up"] > 1 for s in settings):
+        lines += [
+            "- **catch-up**: where a setting's steps say \"100, others ≤ 300\", dSGD, dad, auto and edad (the exact",
+            "  strategies, whose updates are dSGD's to float rounding) run 100 steps, which fix the target; every other",
+            "  strategy runs on to 300, so that its steps and bytes to target are measured where it needs more steps than",
+            "  dSGD. Its final metric is still read at step 100; its curve, steps to target and dominance use the whole run.",
+        ]
     if any(s.get("local_steps") for s in settings):
         lines += [
             "- **fedavg H, diloco H**: one step is a *round*: every site takes H local steps on its next H batches (H",
@@ -392,12 +405,10 @@ def write_report(
     for s in settings:
         cost = results["costs"][s["key"]]
         grid = f"sites {', '.join(map(str, s['sites']))}; {', '.join(s['partitions'])}; seeds {', '.join(map(str, s['seeds']))}"
-        if s["sweep_seeds"] is not None and len(s["sites"]) > 1:
-            grid += f" at 4 sites, {', '.join(map(str, s['sweep_seeds']))} at the others"
         opt = s["optimizer"]
         opt_text = f"{opt['name']} lr {opt['lr']}" + (f" momentum {opt['momentum']}" if opt.get("momentum") else "")
         rows.append([s["key"], s["workload"], ", ".join(f"{k}={v}" for k, v in s["options"].items()) or "defaults",
-                     f"{cost['parameters']:,}", str(s["steps"]), str(s["eval_every"]), str(s["batch_size"]), opt_text, grid])
+                     f"{cost['parameters']:,}", steps_text(s), str(s["eval_every"]), str(s["batch_size"]), opt_text, grid])
     lines += table(["setting", "workload", "options", "parameters", "steps", "eval every", "batch / site", "optimizer", "grid"], rows)
     lines += [
         "Splits: `iid` is a seeded shuffle; `dirichlet` is label skew with Dirichlet(0.5) class shares per site. The",
@@ -434,7 +445,8 @@ def write_report(
                   f"{', '.join(k for k, v in met_a.items() if not v) or 'none'}.", ""]
     header, rank_rows = rank_for_rank_rows(results, settings)
     lines += [
-        "Rank for rank: fewer bytes than dSGD to dSGD's target (– : target not reached, final metric in brackets).",
+        "Rank for rank: fewer bytes than dSGD to dSGD's target (– : target not reached; in brackets the metric at the",
+        "strategy's last step).",
         "",
     ]
     lines += table(header, rank_rows)
@@ -514,7 +526,7 @@ def write_report(
         lines += [
             f"### {s['key']}",
             "",
-            f"{group['sites']} sites, {group['partition']}, {len(s['seeds'])} seed(s), {s['steps']} steps; metric: held-out"
+            f"{group['sites']} sites, {group['partition']}, {len(s['seeds'])} seed(s), {steps_text(s)} steps; metric: held-out"
             f" {group['metric_name']} (%); {target_text}." + (f" {s['note']}." if s["note"] else ""),
             "",
         ]
@@ -637,9 +649,11 @@ def time_to_target_section(links: dict | None, results: dict, images: Path, docs
         return lines + [f"Needs the matrix's {links['setting']} group ({links['sites']} sites) with a dSGD run in the same "
                         "results folder; not run here.", ""]
     links_names = [name for name in links["rates"] if name != "unshaped"]
+    setting = next(s for s in results["settings"] if s["key"] == links["setting"])
     lines += [
         f"Seconds to reach dSGD's final metric on {links['setting']}, {links['sites']} sites: the matrix's steps to target"
-        " (first evaluation, every 10 steps, where the seed-mean curve reaches it; dad, auto and edad take dSGD's, their"
+        f" (first evaluation, every {setting['eval_every']} steps, where the {len(setting['seeds'])}-seed mean curve"
+        " reaches it; dad, auto and edad take dSGD's, their"
         " updates being the same to float rounding) times the seconds per step measured on that link above (for FedAvg"
         " and DiLoCo a step is a round of H local steps, so their compute is in it). The link runs train IID; a step's"
         " bytes and compute do not depend on the split (every site reads 32 samples per step either way).",
