@@ -776,7 +776,7 @@ def peers_section(peers: dict | None, images: Path, docs: Path) -> list[str]:
     if peers is None:
         return lines + ["Not run (`python -m bench.peers`).", ""]
     lines += [
-        f"Two DDP processes (gloo, 127.0.0.1) with `powerSGD_hook` against `dadfl`'s `powersgd` in the in-process",
+        "Two DDP processes (gloo, 127.0.0.1) with `powerSGD_hook` against `dadfl`'s `powersgd` in the in-process",
         f"simulation: {peers['workload']} ({', '.join(f'{k}={v}' for k, v in peers['options'].items())}),"
         f" {peers['sites']} sites/ranks, IID, {peers['batch']} samples each per step, the same initial weights, batches"
         f" and seed, SGD lr {peers['optimizer']['lr']} momentum {peers['optimizer']['momentum']}, error feedback, warm"
