@@ -110,7 +110,7 @@ from dadfl.strategies import Payload, make_strategy, weights_fingerprint
 from dadfl.workloads import Split, StepBatches, Workload, load_workload, partition, site_batches
 
 from .config import load_config, validate_config
-from .flower_policy import MAX_SETTINGS_CHARS, NodePolicy, check_settings, node_workload
+from .flower_policy import MAX_SETTINGS_CHARS, NodePolicy, cached_workload, check_settings, node_workload
 from .metrics import MetricsWriter, is_eval_step, run_summary
 from .replica import Replica, resolve_device
 from .simulation import Progress, SimulationConfig, StrategySpec, run_directory
@@ -369,15 +369,10 @@ def settings_from_run_config(run_config: dict[str, Any]) -> tuple[RunSettings, P
     return RunSettings(config, spec), out
 
 
-@functools.lru_cache(maxsize=4)
-def _cached_workload(name: str, options_json: str) -> Workload:
-    """One workload per process: loading data costs seconds, and a workload is pure (seeded)."""
-    return load_workload(name, **json.loads(options_json))
-
-
 def workload_for(config: SimulationConfig) -> Workload:
     """The ServerApp's workload, from its own config (a node builds its own: :func:`node_workload`)."""
-    return _cached_workload(config.workload, json.dumps(config.workload_options, sort_keys=True))
+    key = ("server", config.workload, json.dumps(config.workload_options, sort_keys=True))
+    return cached_workload(key, lambda: load_workload(config.workload, **config.workload_options))
 
 
 # ----------------------------------------------------------------------------- node (ClientApp)

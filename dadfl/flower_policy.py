@@ -35,7 +35,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from flwr.common.constant import NUM_PARTITIONS_KEY, PARTITION_ID_KEY
 from pydantic import ValidationError
@@ -150,17 +150,24 @@ def check_settings(settings_json: str, policy: NodePolicy, run_id: int, layout: 
     return NodeRun(checked, config, spec)
 
 
-# Workloads built on this process, by (spec, options, search path, size limit): loading data costs
-# seconds, and a workload is pure (seeded). Only ever filled after the checks allowed the spec.
+# Workloads built on this process: loading data costs seconds, and a workload is pure (seeded).
+# A node's are keyed by (spec, options, search path, size limit) and only ever filled after the
+# checks allowed the spec; the ServerApp's by (name, options).
 _workloads: dict[tuple, Workload] = {}
 MAX_CACHED_WORKLOADS = 4
 
 
-def node_workload(checked: CheckedRun, policy: NodePolicy) -> Workload:
-    """``build_workload`` for an allowed run, from the node's own ``workload_path``, once per process."""
-    key = (checked.workload, json.dumps(checked.workload_options, sort_keys=True), tuple(map(str, policy.workload_path)), policy.limits.max_parameters)
+def cached_workload(key: tuple, build: Callable[[], Workload]) -> Workload:
+    """``build()`` once per ``key`` on this process, keeping the last ``MAX_CACHED_WORKLOADS``."""
     if key not in _workloads:
         if len(_workloads) >= MAX_CACHED_WORKLOADS:
             del _workloads[next(iter(_workloads))]
-        _workloads[key] = build_workload(checked, policy.limits, policy.workload_path)
+        _workloads[key] = build()
     return _workloads[key]
+
+
+def node_workload(checked: CheckedRun, policy: NodePolicy) -> Workload:
+    """``build_workload`` for an allowed run, from the node's own ``workload_path``."""
+    key = ("node", checked.workload, json.dumps(checked.workload_options, sort_keys=True),
+           tuple(map(str, policy.workload_path)), policy.limits.max_parameters)
+    return cached_workload(key, lambda: build_workload(checked, policy.limits, policy.workload_path))
