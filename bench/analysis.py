@@ -36,8 +36,8 @@ from dadfl.metrics import read_metrics
 from dadfl.simulation import StrategySpec
 
 from .costs import breakdown, round_trips
-from .execute import RUNS
-from .matrix import WorkloadSetting
+from .execute import cell_paths, finished_as_now
+from .matrix import Cell, WorkloadSetting
 
 TARGET_TOLERANCE = 0.005  # 0.5 point of accuracy
 FAMILIES = {"rank-dAD": "rankdad", "PowerSGD": "powersgd"}
@@ -243,11 +243,15 @@ def matrix_order(spec: dict) -> tuple:
 
 
 
-def analyse(out: Path, settings: list[WorkloadSetting], size_sweep: bool = False) -> dict[str, Any]:
-    """Read every finished cell under ``out`` and return the statistics (JSON-ready);
+def analyse(out: Path, settings: list[WorkloadSetting], cells: list[Cell], size_sweep: bool = False) -> dict[str, Any]:
+    """Read the finished runs of ``cells`` under ``out`` (a run left there by another matrix,
+    or of another length or grid, is not read) and return the statistics (JSON-ready);
     ``size_sweep`` adds the per-step bounds of the ``SIZE_SWEEP`` models."""
     by_group: dict[str, dict[str, list[Run]]] = defaultdict(lambda: defaultdict(list))
-    for summary_path in sorted((out / RUNS).rglob("*.json")):
+    for cell in sorted(cells, key=lambda c: c.name):
+        summary_path = cell_paths(out, cell)[1]
+        if not finished_as_now(summary_path, cell):
+            continue
         run = load_run(summary_path)
         by_group[run.summary["group"]][StrategySpec(**run.summary["spec"]).display].append(run)
     by_key = {setting.key: setting for setting in settings}
@@ -300,7 +304,7 @@ def analyse(out: Path, settings: list[WorkloadSetting], size_sweep: bool = False
             "bound_rank_zero": parts.bound_rank_zero,
         }
     sizes = [size_bound(workload, options) for workload, options in SIZE_SWEEP] if size_sweep else []
-    failed = sorted(str(path.relative_to(out / RUNS).with_suffix("")) for path in (out / RUNS).rglob("*.failed"))
+    failed = sorted(cell.name for cell in cells if cell_paths(out, cell)[0].with_suffix(".failed").exists())
     return {
         "groups": groups, "costs": costs, "sizes": sizes, "failed": failed, "settings": [asdict(s) for s in settings],
         "cells": cell_count, "cell_seconds": cell_seconds,

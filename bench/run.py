@@ -72,14 +72,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
+    cells = matrix.cells(settings, ranks, exact)
     if not args.report_only:
         if "matrix" in parts:
-            run_cells(matrix.cells(settings, ranks, exact), out, args.jobs)
+            run_cells(cells, out, args.jobs)
         if "links" in parts:
             (out / LINKS).write_text(json.dumps(links.measure(), indent=1))
         if "peers" in parts:
             (out / PEERS).write_text(json.dumps(peers.compare(), indent=1))
-    results = analyse(out, settings, size_sweep=name == "full")
+    results = analyse(out, settings, cells, size_sweep=name == "full")
     json_path, csv_path = write_results(results, out)
     command = "python -m bench.run" + {"smoke": "", "full": " --full --jobs 2"}.get(name, f" --preset {name} --jobs 2")
     command += "".join(f" --{flag} {value}" for flag, value in (("workloads", args.workloads), ("seeds", args.seeds), ("parts", args.parts)) if value)

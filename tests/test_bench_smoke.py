@@ -94,6 +94,7 @@ def test_a_finished_cell_runs_again_when_its_setting_changes_length_or_grid(suit
     from dataclasses import replace
 
     from bench import matrix
+    from bench.analysis import analyse
     from bench.execute import pending
 
     out, _ = suite
@@ -104,6 +105,9 @@ def test_a_finished_cell_runs_again_when_its_setting_changes_length_or_grid(suit
     assert {c.strategy.display for c in pending(longer, out)} == {c.strategy.display for c in longer} - set(EXACT)
     regridded = matrix.cells([replace(setting, eval_every=10)], matrix.SMOKE_RANKS)
     assert len(pending(regridded, out)) == len(regridded)
+    # The analysis reads only runs of the matrix as it is now: the stale ones are left out.
+    (group,) = analyse(out, [replace(setting, catch_up=3)], longer)["groups"].values()
+    assert set(group["strategies"]) == set(EXACT)
 
 
 def test_bytes_match_the_cost_formulas(suite):
