@@ -43,9 +43,12 @@ class MetricsWriter:
 
 
 def read_metrics(path: str | Path) -> Iterator[dict]:
+    """The complete records of ``path``. A last line without its newline is a record still being
+    written, or one a crash cut short (its step has no checkpoint yet and runs again): it is not
+    read. Any other line that is not JSON raises."""
     with Path(path).open() as lines:
         for line in lines:
-            if line.strip():
+            if line.strip() and line.endswith("\n"):
                 yield json.loads(line)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -77,3 +78,18 @@ def test_resume_refuses_a_checkpoint_of_a_different_run(tmp_path):
     other = server_config(tmp_path, strategy={"name": "dad"})
     with pytest.raises(ValueError, match="different strategy"):
         Coordinator(other)
+
+
+def test_a_record_cut_short_by_a_kill_is_not_read_and_the_resume_trims_it(tmp_path):
+    """A coordinator killed while writing a step's record leaves a last line without its newline
+    (that step has no checkpoint yet and runs again); a reader polling the file mid-write sees the
+    same. Neither raises, and trimming for the resume drops that line; a broken complete line still raises."""
+    path = tmp_path / "metrics.jsonl"
+    complete = [json.dumps({"step": step, "train_loss": 1.0 / (step + 1)}) + "\n" for step in range(3)]
+    path.write_text("".join(complete) + '{"step": 3, "train_loss": 0.')
+    assert [r["step"] for r in read_metrics(path)] == [0, 1, 2]
+    checkpoint.trim_metrics(path, next_step=3)
+    assert path.read_text() == "".join(complete)
+    path.write_text(complete[0] + '{"step": 1, "train_loss": 0.\n' + complete[2])
+    with pytest.raises(json.JSONDecodeError):
+        list(read_metrics(path))
