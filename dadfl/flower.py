@@ -552,6 +552,9 @@ def handle_step(message: Message, context: Context) -> Message:
     if node is None or node.settings_json != settings_json:
         # Nothing kept, state of other settings, or a resync: a fresh replica and site half.
         node = NodeReplica.build(settings_json, fields["layout"], context, policy)
+    partition_index, sites = fields["partition_index"], node.settings.config.sites
+    if partition_index >= sites:  # refused before any state is decoded
+        raise RunRefused(f"the server sent partition_index {partition_index} for a run of {sites} sites")
     if state is not None:
         tensors = read_tensors(state, node.state_dtypes(), policy.limits.max_payload_bytes, NODE_PAYLOAD_LIMIT)
         try:
@@ -567,9 +570,6 @@ def handle_step(message: Message, context: Context) -> Message:
     fingerprint = weights_fingerprint(node.replica.model)
     if fingerprint != fields["fingerprint"]:
         return _reply(message, NEED_STATE, fingerprint=fingerprint)
-    partition_index, sites = fields["partition_index"], node.settings.config.sites
-    if partition_index >= sites:
-        raise RunRefused(f"the server sent partition_index {partition_index} for a run of {sites} sites")
     stream = batch_stream(context, node.settings.config, node.replica.workload, partition_index)
     local = node.replica.work(stream.at, step)
     payload = node.replica.half.begin(local, step)

@@ -169,6 +169,12 @@ def far_partition_index(content):
     header(content)["partition_index"] = 5
 
 
+def far_partition_index_and_a_state(content):
+    """Refused for its partition, before the state (here malformed too) is decoded."""
+    far_partition_index(content)
+    state_with_a_stray_tensor(content)
+
+
 def extra_header_field(content):
     header(content)["evil"] = 1
 
@@ -186,6 +192,7 @@ MESSAGES = [
     (stray_record, flower.STEP_MESSAGE, 1, {}, r"unexpected record 'extra'"),
     (text_partition_index, flower.STEP_MESSAGE, 1, {}, r"header field 'partition_index' is not an integer"),
     (far_partition_index, flower.STEP_MESSAGE, 1, {}, r"partition_index 5 for a run of 3 sites"),
+    (far_partition_index_and_a_state, flower.STEP_MESSAGE, 1, {}, r"partition_index 5 for a run of 3 sites"),
     (extra_header_field, flower.PHASE_MESSAGE, 1, {}, r"unexpected header field 'evil'"),
     (state_with_a_stray_tensor, flower.STEP_MESSAGE, 1, {}, r"unexpected tensor 'evil'"),
     (state_of_another_shape, flower.STEP_MESSAGE, 1, {}, r"state tensor '0\.weight' \(3,\) does not fit this model"),
@@ -196,7 +203,7 @@ MESSAGES = [
 
 @pytest.mark.parametrize(
     "tamper, message_type, step, node_config, reason", MESSAGES,
-    ids=["lying_npy", "stray_record", "text_field", "partition", "extra_field", "state_tensor", "state_shape", "byte_cap"],
+    ids=["lying_npy", "stray_record", "text_field", "partition", "partition_before_state", "extra_field", "state_tensor", "state_shape", "byte_cap"],
 )
 def test_a_malformed_server_message_is_refused_before_it_is_decoded(tmp_path, task_identity, tamper, message_type, step, node_config, reason):
     grid = ServerTamperGrid(tamper, message_type, step, node_configs={HOSTILE: node_config})
