@@ -77,9 +77,10 @@ like the weight, and the memories carry what rank r left of it; reading a bias o
 factors of the weight alone (P Qᵀ without that column) would be wrong, which is why the
 column is part of the matrix. Without error feedback nothing would carry what rank r
 drops, so the bias travels dense and exact (as with ``bias_in_factors=False``).
-Measured with the benchmark's matrix (4 sites, IID, seeds 0 and 1, ``docs/benchmarks.md``),
-bias apart → folded, fewer bytes than dSGD to dSGD's target: digits MLP 39.4× → 53.4×
-(r=1), wide MLP 156.7× → 250.6× (r=1), digits CNN 2.8× (r=4) → 4.7× (r=2). A wide-MLP
+Measured with the benchmark's matrix (4 sites, IID, seeds 0 and 1, evaluated every 10
+steps; ``docs/benchmarks.md`` now runs the wide MLP on seeds 0–3 every 5 steps), bias apart
+→ folded, fewer bytes than dSGD to dSGD's target: digits MLP 39.4× → 53.4× (r=1), wide
+MLP 156.7× → 250.6× (r=1), digits CNN 2.8× (r=4) → 4.7× (r=2). A wide-MLP
 step at r=1 sends 33% fewer bytes (24.9 → 16.7 KB per site). The steps to the target
 move within the seeds' spread: on the wide MLP at r=1 with seeds 0–3, the seed-mean curve
 reaches it after 180 steps folded against 150 (IID) and 160 (Dirichlet(0.5)) apart,
