@@ -5,7 +5,8 @@ Every strategy splits a model's parameters the same way (``Layout``): *captured*
 tied weights, LayerNorm, raw ``nn.Parameter``s — which no factor capture covers and
 which travels dense. A captured layer's bias gradient Σ_rows Δ is the gradient of one
 more input column of ones, so a rank-r method can send it inside the layer's factors
-(G·r'·(k + 1 + m): rank-dAD does, with error feedback); PowerSGD sends it dense.
+(r'·(k + 1 + G·m), a grouped layer's G groups stacked as one matrix: rank-dAD does, with
+error feedback); PowerSGD sends it dense.
 
 Uncovered *matrices* (learned positions, weights tied across modules, raw
 ``nn.Parameter`` matrices; m × k viewed as shape[0] × rest) are compressed from their
@@ -13,7 +14,7 @@ dense gradient at rank r when that pays (rank-dAD with ``raw_input`` allowing it
 PowerSGD); uncovered vectors (norms) stay dense. For a rank-r strategy the floats per
 site and direction per step are therefore at least
 
-    low_rank(r) = uncovered vectors + Σ_layers G·r·(k + [1 with a bias] + m)
+    low_rank(r) = uncovered vectors + Σ_layers r·(k + [1 with a bias] + G·m)
                   + Σ_uncovered matrices min(r·(m + k), m·k)
 
 against dSGD's ``dense = Σ all parameters``, so no rank-r method can beat
@@ -51,10 +52,11 @@ class LayerCost:
         return self.groups * self.k * self.m
 
     def factors(self, rank: int) -> int:
-        """G·r'·(k' + m) with k' = k (+ 1 with a bias, folded in) and r' = min(r, k', m): the
-        rank-r factors of one group each."""
-        k = self.k + (self.bias > 0)
-        return self.groups * min(rank, k, self.m) * (k + self.m)
+        """r'·(k' + G·m) with k' = k (+ 1 with a bias, folded in) and r' = min(r, k', G·m): the
+        rank-r factors of the groups' rows stacked (G·m × k'), fewer than G·r'·(k' + m) for
+        one factorisation per group."""
+        k, m = self.k + (self.bias > 0), self.groups * self.m
+        return min(rank, k, m) * (k + m)
 
 
 @dataclass(frozen=True)

@@ -148,14 +148,17 @@ class ModelFacts:
             lookups_per_sample=self.lookups_per_sample.get(layer.module),
         )
 
-    def layer_low_rank(self, layer: CapturedLayer, max_rank: int, bias_folded: bool = False) -> Form:
+    def layer_low_rank(self, layer: CapturedLayer, max_rank: int, bias_folded: bool = False,
+                       groups_stacked: bool = False) -> Form:
         """P (groups, m, RANK) and Q (groups, k, RANK), the bias dense; ``bias_folded``: Q has
-        one row more, the bias's, and no bias travels apart."""
+        one row more, the bias's, and no bias travels apart; ``groups_stacked``: one matrix of
+        the groups' rows, P (1, groups·m, RANK)."""
         dtype = self.params[layer.weight][1]
         folded = bool(bias_folded and layer.bias)
+        groups, m = (1, layer.groups * layer.out_per_group) if groups_stacked else (layer.groups, layer.out_per_group)
         tensors = {
-            tensor_key(layer.module, "P"): Spec((layer.groups, layer.out_per_group, RANK), dtype),
-            tensor_key(layer.module, "Q"): Spec((layer.groups, layer.in_per_group + folded, RANK), dtype),
+            tensor_key(layer.module, "P"): Spec((groups, m, RANK), dtype),
+            tensor_key(layer.module, "Q"): Spec((groups, layer.in_per_group + folded, RANK), dtype),
         }
         if layer.bias and not folded:
             tensors.update(self.dense(layer.bias).tensors)

@@ -105,15 +105,29 @@ seeds move by several points from one evaluation to the next, so only the GRU an
 server-memory figures separate the warm-start choices clearly. The bytes-to-target and dominance tables against PowerSGD are in
 ``docs/rankdad-ef/benchmarks.md``.
 
+**Grouped layers** (``stack_groups``, the default, with error feedback). A grouped
+convolution's gradient is G blocks Δ_gᵀ A_g (m × k each). Since the passes run on the
+dense M anyway, rank-dAD compresses the G·m × k matrix of the blocks' rows stacked, as
+PowerSGD views the weight: r'·(k' + G·m) floats instead of G·r'·(k' + m) for one
+factorisation per group. Measured with the benchmark's digits CNN (channels 16, 2 groups;
+4 sites, 120 steps, seeds 0–7, ranks 1, 2, 4; bytes to dSGD's target, best rank, seed
+mean): IID 3.20 MB per group → 2.93 MB stacked (PowerSGD: 2.82 MB), Dirichlet(0.5) 2.91
+→ 2.69 MB (PowerSGD 2.82 MB); budgets where the rank-dAD envelope ≥ PowerSGD's 33% → 44%
+(IID) and 47% → 66% (Dirichlet). At r=1 stacking keeps less (final accuracy 94.7% →
+92.9%, IID); r=1 reaches the target in neither form within 120 steps. Without error
+feedback the passes run on each group's A and Δ, one factorisation per group.
+
 Cost per compressed matrix (floats; G groups, k in and m out per group, k' = k + 1 with
-a folded bias, else k; r' = min(r, m, k'), S sites), one round trip per step:
-    up   = G·r'·(k' + m)                                 per site (+ G·m: a bias apart)
-    down = G·r'·(k' + m)        with reduce_on_server (default)
-         = G·S·r'·(k' + m)      concatenated factors
-Compute per site and step, with error feedback: ``iterations`` × 4·G·m·k'·r' for the passes
-and 2·G·m·k'·r' for the residual, on autograd's gradient; without: ``iterations`` ×
-2·G·n·(k + m)·r'. Memory: G·m·k' floats per matrix at each site and, with re-reduction, at
-the server.
+a folded bias, else k; S sites), one round trip per step, with error feedback (groups
+stacked, r' = min(r, G·m, k')):
+    up   = r'·(k' + G·m)                                 per site
+    down = r'·(k' + G·m)        with reduce_on_server (default)
+         = S·r'·(k' + G·m)      concatenated factors
+and without it (one factorisation per group, r' = min(r, m, k), the bias apart) G·r'·(k + m)
++ G·m up and down, G·S·r'·(k + m) + G·m concatenated. Compute per site and step, with
+error feedback: ``iterations`` × 4·G·m·k'·r' for the passes and 2·G·m·k'·r' for the
+residual, on autograd's gradient; without: ``iterations`` × 2·G·n·(k + m)·r'. Memory:
+G·m·k' floats per matrix at each site and, with re-reduction, at the server.
 
 Reveals: to the server (and, through the downlink, to every site) each site's
 rank-r approximation of its gradient plus memory (with a bias apart, also its exact bias
@@ -243,12 +257,15 @@ def low_rank_layers(layout: Layout, raw_input: str) -> list[CapturedLayer]:
     return [layer for layer in layout.layers if may_share(layer, raw_input, "low_rank")]
 
 
-def plan(layout: Layout, rank: int, raw_input: str, fold_bias: bool) -> Plan:
-    matrices = [
-        Compressed(l.module, l.weight, l.groups, l.out_per_group, l.in_per_group + bool(fold), l.weight_shape, l, fold)
-        for l in low_rank_layers(layout, raw_input)
-        for fold in [l.bias if fold_bias else None]
-    ]
+def plan(layout: Layout, rank: int, raw_input: str, fold_bias: bool, stack_groups: bool) -> Plan:
+    """``fold_bias``: each captured layer's bias is its matrix's last column; ``stack_groups``:
+    a grouped layer is one matrix, its groups' rows stacked (G·m × k, as PowerSGD views it);
+    else each group is factored apart."""
+    matrices = []
+    for l in low_rank_layers(layout, raw_input):
+        fold = l.bias if fold_bias else None
+        groups, m = (1, l.groups * l.out_per_group) if stack_groups else (l.groups, l.out_per_group)
+        matrices.append(Compressed(l.module, l.weight, groups, m, l.in_per_group + bool(fold), l.weight_shape, l, fold))
     compressed_layers = {c.key for c in matrices}
     dense_layers = tuple(l for l in layout.layers if l.module not in compressed_layers)
     dense_params = []
@@ -506,6 +523,7 @@ class RankDAD(Strategy):
     raw_input: str = "dense"
     seed: int = 0
     bias_in_factors: bool = True
+    stack_groups: bool = True
     name = "rankdad"
 
     def __post_init__(self) -> None:
@@ -518,9 +536,12 @@ class RankDAD(Strategy):
         check_raw_input(self.raw_input)
 
     def plan(self, layout: Layout) -> Plan:
-        """What travels as factors: biases are folded in only with error feedback, whose
-        memories carry what rank r leaves of them."""
-        return plan(layout, self.rank, self.raw_input, self.bias_in_factors and self.error_feedback)
+        """What travels as factors: biases are folded in, and a grouped layer's groups
+        stacked, only with error feedback: its memories carry what rank r leaves of a bias,
+        and its passes run on the dense M, whatever its shape (without, they run on each
+        group's A and Δ)."""
+        return plan(layout, self.rank, self.raw_input, self.bias_in_factors and self.error_feedback,
+                    self.stack_groups and self.error_feedback)
 
     def site(self, layout: Layout, model=None) -> RankDADSite:
         return RankDADSite(layout, self)
@@ -551,7 +572,8 @@ class RankDAD(Strategy):
         for target in plan_.matrices:
             max_rank = min(self.rank, target.m, target.k)
             if target.layer is not None:
-                forms = (facts.layer_low_rank(target.layer, max_rank, bias_folded=target.bias is not None),
+                forms = (facts.layer_low_rank(target.layer, max_rank, bias_folded=target.bias is not None,
+                                              groups_stacked=target.groups != target.layer.groups),
                          facts.layer_dense(target.layer))
             else:
                 dtype = facts.params[target.weight][1]

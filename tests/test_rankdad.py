@@ -78,17 +78,23 @@ def test_bias_apart_is_exact_at_any_rank_and_folded_travels_in_the_factors(rank)
             for layer in layers:
                 error = float((update[layer.bias] - reference[layer.bias]).norm() / reference[layer.bias].norm())
                 apart = f"{layer.bias}:grad" in messages[0].tensors
-                full_rank = rank >= min(layer.out_per_group, layer.in_per_group + 1)  # conv2: 2 outputs per group
+                # conv2's 4 groups are one stacked matrix of 8 rows with error feedback
+                full_rank = rank >= min(layer.groups * layer.out_per_group, layer.in_per_group + 1)
                 if folded:  # approximated with its weight, as one more input column, unless r is full rank
                     assert not apart and (error <= 1e-5 if full_rank else error > 1e-3 or rank > 1), (layer.bias, error)
                 else:  # exact, travelling apart
                     assert error <= 1e-5 and apart, (layer.bias, error)
 
 
-def low_rank_floats(layer, rank):
-    """G·r'·(k' + m): k' counts the bias's column, folded in; r' = min(r, m, k')."""
-    k = layer.in_per_group + bool(layer.bias)
-    return layer.groups * min(rank, layer.out_per_group, k) * (k + layer.out_per_group)
+def low_rank_floats(layer, rank, stacked=True):
+    """Stacked (error feedback): r'·(k' + G·m), k' counting the bias's column, folded in,
+    r' = min(r, G·m, k'). Per group (without): G·r'·(k + m) + G·m, the bias dense,
+    r' = min(r, m, k)."""
+    if stacked:
+        k, m = layer.in_per_group + bool(layer.bias), layer.groups * layer.out_per_group
+        return min(rank, m, k) * (k + m)
+    k, m, bias = layer.in_per_group, layer.out_per_group, layer.groups * layer.out_per_group * bool(layer.bias)
+    return layer.groups * min(rank, m, k) * (k + m) + bias
 
 
 def test_bytes_match_formula_mlp_by_hand():
@@ -108,21 +114,28 @@ def test_bytes_match_formula_mlp_by_hand():
 
 @pytest.mark.parametrize("reduce_on_server", [False, True])
 @pytest.mark.parametrize("rank", [1, 2, 5])
-def test_bytes_match_formula_cnn(rank, reduce_on_server):
+@pytest.mark.parametrize("error_feedback", [True, False])
+def test_bytes_match_formula_cnn(rank, reduce_on_server, error_feedback):
+    """With error feedback a grouped layer (conv2, 4 groups) is one matrix of its groups'
+    rows stacked, its bias folded in; without, each group is factored apart from its A and
+    Δ and the bias travels dense."""
     sites = len(SIZES)
-    strategy = make_strategy("rankdad", rank=rank, raw_input="low_rank", reduce_on_server=reduce_on_server)
+    strategy = make_strategy("rankdad", rank=rank, raw_input="low_rank", reduce_on_server=reduce_on_server,
+                             error_feedback=error_feedback)
     layout, messages, traffic = run_exchange(strategy, kind="cnn")
     assert {l.module: l.groups for l in layout.layers}["conv2"] == 4
     dense = sum(int(torch.tensor(layout.shape(n)).prod()) for n in layout.uncovered)
-    up = dense + sum(low_rank_floats(l, rank) for l in layout.layers)
+    up = dense + sum(low_rank_floats(l, rank, error_feedback) for l in layout.layers)
     assert traffic.up == [[FLOAT * up] * sites]
     down_factor = 1 if reduce_on_server else sites
-    down = dense + sum(down_factor * low_rank_floats(l, rank) for l in layout.layers)
-    assert traffic.down == [FLOAT * down]
+    biases = {l.module: 0 if error_feedback or not l.bias else l.groups * l.out_per_group for l in layout.layers}
+    factors = sum(low_rank_floats(l, rank, error_feedback) - biases[l.module] for l in layout.layers)
+    assert traffic.down == [FLOAT * (dense + down_factor * factors + sum(biases.values()))]
     for layer in layout.layers:
         P = messages[0].tensors[f"{layer.module}:P"]
-        k = layer.in_per_group + bool(layer.bias)
-        assert P.shape == (layer.groups, layer.out_per_group, down_factor * min(rank, layer.out_per_group, k))
+        groups, m = (1, layer.groups * layer.out_per_group) if error_feedback else (layer.groups, layer.out_per_group)
+        k = layer.in_per_group + error_feedback
+        assert P.shape == (groups, m, down_factor * min(rank, m, k))
 
 
 def test_tol_sends_only_the_components_a_site_has():
