@@ -5,8 +5,9 @@ Every strategy splits a model's parameters the same way (``Layout``): *captured*
 tied weights, LayerNorm, raw ``nn.Parameter``s — which no factor capture covers and
 which travels dense. A captured layer's bias gradient Σ_rows Δ is the gradient of one
 more input column of ones, so a rank-r method can send it inside the layer's factors
-(r'·(k + 1 + G·m), a grouped layer's G groups stacked as one matrix: rank-dAD does, with
-error feedback); PowerSGD sends it dense.
+(r'·(k + 1 + G·m), a grouped layer's G groups stacked as one matrix: rank-dAD folds the
+bias in with error feedback, and stacks the groups with ``stack_groups``; by default it
+factors each group, G·r'·(k + 1 + m)); PowerSGD sends the bias dense.
 
 Uncovered *matrices* (learned positions, weights tied across modules, raw
 ``nn.Parameter`` matrices; m × k viewed as shape[0] × rest) are compressed from their
@@ -18,7 +19,7 @@ site and direction per step are therefore at least
                   + Σ_uncovered matrices min(r·(m + k), m·k)
 
 against dSGD's ``dense = Σ all parameters``, so no rank-r method can beat
-``dense / low_rank(r)`` per step (rank-dAD's bytes by its formula); with r → 0 the bound
+``dense / low_rank(r)`` per step; with r → 0 the bound
 is ``dense / uncovered vectors``. ``Breakdown`` holds these numbers for one model; the report
 prints them beside the measured ratios.
 """

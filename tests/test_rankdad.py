@@ -32,7 +32,8 @@ def run_exchange(strategy, kind="mlp", sizes=SIZES):
 
 @pytest.mark.parametrize("kind", ["mlp", "cnn"])
 @pytest.mark.parametrize(
-    "options", [{}, {"raw_input": "low_rank"}, {"raw_input": "low_rank", "reduce_on_server": True}]
+    "options", [{}, {"raw_input": "low_rank"}, {"raw_input": "low_rank", "reduce_on_server": True},
+                {"raw_input": "low_rank", "stack_groups": True}]
 )
 def test_full_rank_matches_reference(kind, options):
     model = build(kind)
@@ -78,23 +79,21 @@ def test_bias_apart_is_exact_at_any_rank_and_folded_travels_in_the_factors(rank)
             for layer in layers:
                 error = float((update[layer.bias] - reference[layer.bias]).norm() / reference[layer.bias].norm())
                 apart = f"{layer.bias}:grad" in messages[0].tensors
-                # conv2's 4 groups are one stacked matrix of 8 rows with error feedback
-                full_rank = rank >= min(layer.groups * layer.out_per_group, layer.in_per_group + 1)
+                full_rank = rank >= min(layer.out_per_group, layer.in_per_group + 1)  # conv2: 2 outputs per group
                 if folded:  # approximated with its weight, as one more input column, unless r is full rank
                     assert not apart and (error <= 1e-5 if full_rank else error > 1e-3 or rank > 1), (layer.bias, error)
                 else:  # exact, travelling apart
                     assert error <= 1e-5 and apart, (layer.bias, error)
 
 
-def low_rank_floats(layer, rank, stacked=True):
-    """Stacked (error feedback): r'·(k' + G·m), k' counting the bias's column, folded in,
-    r' = min(r, G·m, k'). Per group (without): G·r'·(k + m) + G·m, the bias dense,
-    r' = min(r, m, k)."""
-    if stacked:
-        k, m = layer.in_per_group + bool(layer.bias), layer.groups * layer.out_per_group
-        return min(rank, m, k) * (k + m)
-    k, m, bias = layer.in_per_group, layer.out_per_group, layer.groups * layer.out_per_group * bool(layer.bias)
-    return layer.groups * min(rank, m, k) * (k + m) + bias
+def low_rank_floats(layer, rank, folded=True, stacked=False):
+    """Per group: G·r'·(k' + m), r' = min(r, m, k'), k' counting the bias's column when
+    ``folded``, else the bias dense (G·m more). ``stacked``: one matrix of the groups' rows,
+    r'·(k' + G·m), r' = min(r, G·m, k')."""
+    k = layer.in_per_group + bool(folded and layer.bias)
+    groups, m = (1, layer.groups * layer.out_per_group) if stacked else (layer.groups, layer.out_per_group)
+    bias = 0 if folded or not layer.bias else layer.groups * layer.out_per_group
+    return groups * min(rank, m, k) * (k + m) + bias
 
 
 def test_bytes_match_formula_mlp_by_hand():
@@ -114,27 +113,29 @@ def test_bytes_match_formula_mlp_by_hand():
 
 @pytest.mark.parametrize("reduce_on_server", [False, True])
 @pytest.mark.parametrize("rank", [1, 2, 5])
-@pytest.mark.parametrize("error_feedback", [True, False])
-def test_bytes_match_formula_cnn(rank, reduce_on_server, error_feedback):
-    """With error feedback a grouped layer (conv2, 4 groups) is one matrix of its groups'
-    rows stacked, its bias folded in; without, each group is factored apart from its A and
-    Δ and the bias travels dense."""
+@pytest.mark.parametrize("error_feedback,stack_groups", [(True, False), (True, True), (False, False), (False, True)])
+def test_bytes_match_formula_cnn(rank, reduce_on_server, error_feedback, stack_groups):
+    """conv2 has 4 groups. With error feedback the biases are folded in and, with
+    ``stack_groups``, conv2 is one matrix of its groups' rows; without error feedback each
+    group is factored from its own A and Δ (``stack_groups`` has no effect) and the biases
+    travel dense."""
     sites = len(SIZES)
     strategy = make_strategy("rankdad", rank=rank, raw_input="low_rank", reduce_on_server=reduce_on_server,
-                             error_feedback=error_feedback)
+                             error_feedback=error_feedback, stack_groups=stack_groups)
     layout, messages, traffic = run_exchange(strategy, kind="cnn")
     assert {l.module: l.groups for l in layout.layers}["conv2"] == 4
+    stacked = error_feedback and stack_groups
     dense = sum(int(torch.tensor(layout.shape(n)).prod()) for n in layout.uncovered)
-    up = dense + sum(low_rank_floats(l, rank, error_feedback) for l in layout.layers)
+    up = dense + sum(low_rank_floats(l, rank, error_feedback, stacked) for l in layout.layers)
     assert traffic.up == [[FLOAT * up] * sites]
     down_factor = 1 if reduce_on_server else sites
     biases = {l.module: 0 if error_feedback or not l.bias else l.groups * l.out_per_group for l in layout.layers}
-    factors = sum(low_rank_floats(l, rank, error_feedback) - biases[l.module] for l in layout.layers)
+    factors = sum(low_rank_floats(l, rank, error_feedback, stacked) - biases[l.module] for l in layout.layers)
     assert traffic.down == [FLOAT * (dense + down_factor * factors + sum(biases.values()))]
     for layer in layout.layers:
         P = messages[0].tensors[f"{layer.module}:P"]
-        groups, m = (1, layer.groups * layer.out_per_group) if error_feedback else (layer.groups, layer.out_per_group)
-        k = layer.in_per_group + error_feedback
+        groups, m = (1, layer.groups * layer.out_per_group) if stacked else (layer.groups, layer.out_per_group)
+        k = layer.in_per_group + bool(error_feedback and layer.bias)
         assert P.shape == (groups, m, down_factor * min(rank, m, k))
 
 
