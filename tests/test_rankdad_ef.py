@@ -75,13 +75,14 @@ def test_memories_carry_exactly_what_the_updates_left_out(reduce_on_server):
     assert without[-1] > 1.5 * with_ef[-1] and without[-1] > 1.5 * without[2], (with_ef, without)  # grows
 
 
-@pytest.mark.parametrize("kind", ["cnn", "transformer"])
+@pytest.mark.parametrize("kind,options", [("cnn", {}), ("cnn", {"stack_groups": True}), ("transformer", {})])
 @pytest.mark.parametrize("reduce_on_server", [True, False])
-def test_full_rank_stays_exact_with_error_feedback(kind, reduce_on_server):
+def test_full_rank_stays_exact_with_error_feedback(kind, options, reduce_on_server):
     """At full rank the residuals are rounding noise: every step equals the dSGD reference,
-    uncovered matrices (the transformer's tied embedding and positions) included."""
+    uncovered matrices (the transformer's tied embedding and positions) and a grouped
+    convolution's groups stacked as one matrix included."""
     model, layout = setup(kind)
-    strategy = make_strategy("rankdad", rank=64, raw_input="low_rank", reduce_on_server=reduce_on_server)
+    strategy = make_strategy("rankdad", rank=64, raw_input="low_rank", reduce_on_server=reduce_on_server, **options)
     assert strategy.error_feedback
     sites, server = [strategy.site(layout, model) for _ in SIZES], strategy.server(layout, model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -131,14 +132,14 @@ def test_uncovered_matrices_travel_as_factors_with_the_formula_bytes():
             assert traffic.down == [FLOAT * (dense_rest + layers + floats)], "re-reduced to rank r"
 
 
+@pytest.mark.parametrize("kind,options", [("transformer", {}), ("cnn", {"stack_groups": True})])
 @pytest.mark.parametrize("warm_start", [True, False])
-def test_state_round_trip_continues_bit_identically(tmp_path, warm_start):
+def test_state_round_trip_continues_bit_identically(tmp_path, warm_start, kind, options):
     """Save every half's state after two steps (torch.save, loaded with weights_only),
     load it into fresh halves: the next steps' messages are bit-identical. Without warm
     start every step draws a random start, so the generators' state matters too."""
-    kind = "transformer"
     model, layout = setup(kind)
-    strategy = make_strategy("rankdad", rank=2, raw_input="low_rank", warm_start=warm_start)
+    strategy = make_strategy("rankdad", rank=2, raw_input="low_rank", warm_start=warm_start, **options)
     sites, server = [strategy.site(layout, model) for _ in SIZES], strategy.server(layout, model)
     for step in range(2):
         one_step(strategy, model, layout, sites, server, step, kind)
