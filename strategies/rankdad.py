@@ -46,13 +46,15 @@ MLP, seeds 0–3, 94.5% against 96.7%), so the server keeps it.
 
 **Where it loses: many sites with small batches.** Each site compresses its own batch's
 gradient, and a small batch's top-r subspace can lie far from that of the sites' mean,
-on which PowerSGD projects (its second round trip buys that). Measured on the benchmark's 3.5M-parameter
-transformer (r=2, Adam 0.003, IID, 128 samples per step, seeds 0 and 1; steps to 29.8%
-next-character accuracy, evaluated every 10): as 4 sites of 32, rank-dAD 190 and 240,
-PowerSGD 160 and 170; as 1 site of 128, 170 and 140 for both. On seed 0 with 4 sites,
-neither the passes (``iterations`` 1 or 4: 180, 190), nor ``shared_warm_start=False``
-(190), nor concatenating instead of re-reducing (``reduce_on_server=False``, nothing
-dropped at the server: 180) closes the gap.
+on which PowerSGD projects (its second round trip buys that). Measured on the
+benchmark's 3.5M-parameter transformer (r=2, Adam 0.003, IID, 128 samples per step,
+seeds 0 and 1; steps to 29.8% next-character accuracy, evaluated every 10): as 4 sites
+of 32, rank-dAD 190 and 240, PowerSGD 160 and 170; as 1 site of 128, 170 and 140 for
+both. On seed 0 with 4 sites, neither the passes (``iterations`` 1 or 4: 180, 190), nor
+``shared_warm_start=False`` (190), nor concatenating instead of re-reducing
+(``reduce_on_server=False``, nothing dropped at the server: 180) closes the gap. Seeds 2
+and 3 (4 sites; the four seeds' target, 29.4%): rank-dAD reaches it on neither within 300
+steps, PowerSGD on seed 2 at 220.
 
 **Shared warm start.** The re-reduction drops what the sites' rank-r subspaces disagree
 on, and the server memory has to carry it. Each site therefore starts its passes from
