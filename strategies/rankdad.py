@@ -544,15 +544,16 @@ class RankDAD(Strategy):
             raise ValueError(f"rankdad: iterations={self.iterations} must be at least 1")
         if self.tol < 0 or self.tol >= 1:
             raise ValueError(f"rankdad: tol={self.tol} must be in [0, 1) (0 keeps all r components)")
+        if self.stack_groups and not self.error_feedback:
+            raise ValueError("rankdad: stack_groups needs error_feedback=True (without it the passes run on each "
+                             "group's A and Δ, one factorisation per group); drop stack_groups or turn error feedback on")
         check_raw_input(self.raw_input)
 
     def plan(self, layout: Layout) -> Plan:
-        """What travels as factors: biases are folded in, and a grouped layer's groups
-        stacked, only with error feedback: its memories carry what rank r leaves of a bias,
-        and its passes run on the dense M, whatever its shape (without, they run on each
-        group's A and Δ)."""
-        return plan(layout, self.rank, self.raw_input, self.bias_in_factors and self.error_feedback,
-                    self.stack_groups and self.error_feedback)
+        """What travels as factors: biases are folded in only with error feedback, whose
+        memories carry what rank r leaves of them; a grouped layer's groups are stacked with
+        ``stack_groups`` (which needs error feedback: the passes then run on the dense M)."""
+        return plan(layout, self.rank, self.raw_input, self.bias_in_factors and self.error_feedback, self.stack_groups)
 
     def site(self, layout: Layout, model=None) -> RankDADSite:
         return RankDADSite(layout, self)
