@@ -74,6 +74,15 @@ class WorkloadSetting:
     # target would go unmeasured rather than be large.
     catch_up: int = 1
 
+    def __post_init__(self) -> None:
+        # The final metric of a strategy that runs on is read at ``steps``: that step must be on
+        # its evaluation grid, or the analysis would fail only after the whole matrix ran.
+        if self.catch_up < 1 or (self.catch_up > 1 and self.steps % self.eval_every):
+            raise ValueError(
+                f"setting {self.key}: catch_up={self.catch_up} needs catch_up ≥ 1 and, above 1, steps ({self.steps}) "
+                f"a multiple of eval_every ({self.eval_every})"
+            )
+
 
 @dataclass(frozen=True)
 class Cell:

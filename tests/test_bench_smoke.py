@@ -110,6 +110,19 @@ def test_a_finished_cell_runs_again_when_its_setting_changes_length_or_grid(suit
     assert set(group["strategies"]) == set(EXACT)
 
 
+def test_a_setting_whose_last_step_is_off_the_grid_of_those_that_catch_up_is_refused():
+    from dataclasses import replace
+
+    from bench import matrix
+
+    (setting,) = matrix.select(matrix.SMOKE, ["digits-mlp"], None)
+    assert replace(setting, eval_every=10).catch_up == CATCH_UP  # 30 steps, every 10: on the grid
+    with pytest.raises(ValueError, match="a multiple of eval_every"):
+        replace(setting, eval_every=7)
+    with pytest.raises(ValueError, match="catch_up ≥ 1"):
+        replace(setting, catch_up=0)
+
+
 def test_bytes_match_the_cost_formulas(suite):
     _, results = suite
     _, stats = strategies(results)
