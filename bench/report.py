@@ -309,6 +309,7 @@ def summary_lines(results: dict, settings: list[dict], links: dict | None, peers
                      f" rank-dAD {dsgd / fastest:.1f}× faster per step than dSGD at {slow} (goal ≥ 20×:"
                      f" {'**met**' if dsgd / fastest >= 20 else 'not met'})"
                      + (f"; failed over the runtime: {', '.join(links['failed'])}." if links.get("failed") else "."))
+        lines += time_to_target_lines(links, results)
     elif links:
         lines.append(f"- Real links: skipped ({links['skipped']}).")
     if peers:
@@ -598,6 +599,7 @@ def links_section(links: dict | None) -> list[str]:
             row += [f"{run['seconds']:.3f}", f"{run['bound']:.3f}", f"{run['over_bound']:.3f}"]
         rows.append(row)
     lines += table(header, rows)
+    lines += one_site_table(links, rates)
     for label, reason in links.get("failed", {}).items():
         lines += [f"- **{label} failed** over the runtime: `{reason}`"]
     slow = rates[0]
@@ -614,6 +616,32 @@ def links_section(links: dict | None) -> list[str]:
             "",
         ]
     return lines
+
+
+def one_site_table(links: dict, rates: list[str]) -> list[str]:
+    """The compressed strategies' step times with one site: no process waits for a core."""
+    one_site = links.get("one_site")
+    if not one_site:
+        return []
+    header = ["strategy, 1 site", "compute (s)"]
+    for rate in rates:
+        header += [f"{rate}: s / step", "bound", "× bound"]
+    rows = []
+    for label, runs in one_site.items():
+        row = [label, f"{runs['unshaped']['seconds']:.3f}" if "unshaped" in runs else "–"]
+        for rate in rates:
+            run = runs.get(rate)
+            row += [f"{run['seconds']:.3f}", f"{run['bound']:.3f}", f"{run['over_bound']:.3f}"] if run and "bound" in run else ["–"] * 3
+        rows.append(row)
+    return [
+        "",
+        f"The {links['sites']} sites and the coordinator above share this machine's cores, so their compute includes waiting"
+        " for one. A hospital's sites each have a machine of their own. With **one site**, the coordinator and the site",
+        "have a core each: the same link, bytes per site and round trips, without that wait (and without the",
+        "coordinator's work on three more payloads):",
+        "",
+        *table(header, rows),
+    ]
 
 
 EXACT = ("dad", "auto", "edad")  # same update as dSGD to float rounding: dSGD's steps to target
@@ -637,15 +665,39 @@ def seconds_on(seconds: dict[tuple[str, str, str], float], partition: str, link:
     return {label: t for (split, label, on), t in seconds.items() if split == partition and on == link}
 
 
+def link_groups(links: dict, results: dict) -> dict[str, dict]:
+    """The matrix's groups of the links' setting and site count, by split, where dSGD set a target."""
+    groups = {partition: next((g for g in results["groups"].values() if g["setting"] == links["setting"]
+                               and g["sites"] == links["sites"] and g["partition"] == partition), None) for partition in SPLITS}
+    return {partition: group for partition, group in groups.items() if group is not None and group["target"] is not None}
+
+
+def time_to_target_lines(links: dict, results: dict) -> list[str]:
+    """The summary's verdict: rank-dAD ≥ 1.5× sooner than PowerSGD at dSGD's target on the
+    wide-area link, per split; beside it, the same with one-site step times."""
+    link = next((name for name in links["rates"] if "RTT" in name), None)
+    parts = []
+    for partition, group in link_groups(links, results).items():
+        ratios = []
+        for runs in (links["strategies"], links.get("one_site", {})):
+            best = fastest_by_family(runs, group["strategies"], link)
+            if "rankdad" in best and "powersgd" in best:
+                ratios.append(best["powersgd"][1] / best["rankdad"][1])
+        if ratios:
+            text = f"{SPLITS[partition]} {ratios[0]:.2f}× ({'**met**' if ratios[0] >= 1.5 else 'not met'})"
+            parts.append(text + (f", {ratios[1]:.2f}× with one-site step times" if len(ratios) > 1 else ""))
+    if link is None or not parts:
+        return []
+    return [f"- Time to dSGD's target at {link}, PowerSGD's over rank-dAD's (goal ≥ 1.5×): " + "; ".join(parts) + "."]
+
+
 def time_to_target_section(links: dict | None, results: dict, images: Path, docs: Path) -> list[str]:
     """Seconds to dSGD's target on each link and split: the matrix's steps to target for the
     links' setting (4 sites, seed mean) times the seconds per step measured on that link."""
     if not links or "skipped" in links or "setting" not in links:
         return []
     lines = ["## Time to dSGD's target on each link", ""]
-    groups = {partition: next((g for g in results["groups"].values() if g["setting"] == links["setting"]
-                               and g["sites"] == links["sites"] and g["partition"] == partition), None) for partition in SPLITS}
-    groups = {partition: group for partition, group in groups.items() if group is not None and group["target"] is not None}
+    groups = link_groups(links, results)
     if not groups:
         return lines + [f"Needs the matrix's {links['setting']} group ({links['sites']} sites) with a dSGD run in the same "
                         "results folder; not run here.", ""]
@@ -690,11 +742,37 @@ def time_to_target_section(links: dict | None, results: dict, images: Path, docs
                 lines.append(f"- {link}: fastest rank-dAD ({best_rank}) {rank[best_rank]:.1f} s; fastest PowerSGD ({best_power})"
                              f" {power[best_power]:.1f} s, {power[best_power] / rank[best_rank]:.2f}× rank-dAD's time; dSGD"
                              f" {dsgd:.1f} s, {dsgd / rank[best_rank]:.1f}× rank-dAD's time.")
+        lines += one_site_ratios(links, strategies, links_names)
         lines.append("")
     lines += choice_table(seconds, groups, links_names)
     image = images / f"bench_{links['setting']}_metric_vs_seconds.png"
     if plot_metric_vs_seconds(links, groups, next((n for n in links_names if 'RTT' in n), links_names[0]), image):
         lines += [f"![{links['setting']}: metric against seconds on a wide-area link]({os.path.relpath(image, docs)})", ""]
+    return lines
+
+
+def fastest_by_family(runs_by_label: dict, strategies: dict, link: str) -> dict[str, tuple[str, float]]:
+    """Per strategy name (rankdad, powersgd, ...), its fastest configuration to the target on
+    ``link``: the matrix's steps to target times the measured seconds per step."""
+    best: dict[str, tuple[str, float]] = {}
+    for label, runs in runs_by_label.items():
+        own, run = strategies.get(label), runs.get(link)
+        if own and own["steps_to_target"] and run:
+            family, seconds = label.split()[0], own["steps_to_target"] * run["seconds"]
+            if family not in best or seconds < best[family][1]:
+                best[family] = (label, seconds)
+    return best
+
+
+def one_site_ratios(links: dict, strategies: dict, links_names: list[str]) -> list[str]:
+    """rank-dAD against PowerSGD on each link with the one-site step times."""
+    lines = []
+    for link in links_names:
+        best = fastest_by_family(links.get("one_site", {}), strategies, link)
+        if "rankdad" in best and "powersgd" in best:
+            (rank, rank_s), (power, power_s) = best["rankdad"], best["powersgd"]
+            lines.append(f"- {link}, with one-site step times (a core per process): fastest rank-dAD ({rank}) {rank_s:.1f} s;"
+                         f" fastest PowerSGD ({power}) {power_s:.1f} s, {power_s / rank_s:.2f}× rank-dAD's time.")
     return lines
 
 
