@@ -578,7 +578,8 @@ def links_section(links: dict | None) -> list[str]:
         "each in its own network namespace; every site link is a veth pair shaped in both directions with `tc tbf`",
         f"(token bucket of 1 ms of traffic). Model: {links['workload']} "
         + ", ".join(f"{k}={v}" for k, v in links["options"].items()) + " (1.13M parameters), 32 samples per site per step,",
-        f"{links['steps']} steps per run; seconds per step = median over the steps after the first (`bench/links.py`).",
+        f"{links['steps']} steps per run ({links['steps_compressed']} for rank-dAD and PowerSGD, whose steps"
+        " take milliseconds); seconds per step = median over the steps after the first (`bench/links.py`).",
         "",
         "**Bound** = compute + (busiest site's wire bytes up + down) / rate + phases × RTT, with *compute* the measured",
         "step time on the same unshaped veth links and RTT a measured 64-byte TCP echo across the shaped link",
@@ -634,11 +635,10 @@ def one_site_table(links: dict, rates: list[str]) -> list[str]:
             row += [f"{run['seconds']:.3f}", f"{run['bound']:.3f}", f"{run['over_bound']:.3f}"] if run and "bound" in run else ["–"] * 3
         rows.append(row)
     return [
-        "",
-        f"The {links['sites']} sites and the coordinator above share this machine's cores, so their compute includes waiting"
-        " for one. A hospital's sites each have a machine of their own. With **one site**, the coordinator and the site",
-        "have a core each: the same link, bytes per site and round trips, without that wait (and without the",
-        "coordinator's work on three more payloads):",
+        f"The {links['sites']} sites and the coordinator above share this machine's cores, so their compute includes",
+        "waiting for one; a hospital's sites each have a machine of their own. With **one site**, the coordinator and",
+        "the site have a core each: the same link, bytes per site and round trips, without that wait (and without the",
+        f"coordinator's work on {links['sites'] - 1} more payloads):",
         "",
         *table(header, rows),
     ]
@@ -684,8 +684,9 @@ def time_to_target_lines(links: dict, results: dict) -> list[str]:
             if "rankdad" in best and "powersgd" in best:
                 ratios.append(best["powersgd"][1] / best["rankdad"][1])
         if ratios:
-            text = f"{SPLITS[partition]} {ratios[0]:.2f}× ({'**met**' if ratios[0] >= 1.5 else 'not met'})"
-            parts.append(text + (f", {ratios[1]:.2f}× with one-site step times" if len(ratios) > 1 else ""))
+            # three decimals: the verdict is read off these, and 1.495 is not 1.50
+            text = f"{SPLITS[partition]} {ratios[0]:.3f}× ({'**met**' if ratios[0] >= 1.5 else 'not met'})"
+            parts.append(text + (f", {ratios[1]:.3f}× with one-site step times" if len(ratios) > 1 else ""))
     if link is None or not parts:
         return []
     return [f"- Time to dSGD's target at {link}, PowerSGD's over rank-dAD's (goal ≥ 1.5×): " + "; ".join(parts) + "."]

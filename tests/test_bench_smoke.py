@@ -172,3 +172,35 @@ def test_time_to_target_is_each_strategys_steps_times_its_step_time_on_the_link(
     choice = next(line for line in text.splitlines() if line.startswith("| 1 Mbit/s, 40 ms RTT | IID |"))
     assert choice.endswith(f"**{slowest}** |"), choice
     assert (tmp_path / f"bench_{group['setting']}_metric_vs_seconds.png").stat().st_size > 0
+
+
+def test_one_site_step_times_give_their_own_time_to_target_ratio(suite, tmp_path):
+    """With one-site step times beside the 4-site ones, the section and the summary state
+    PowerSGD's time to target over rank-dAD's for each: fastest of each family, steps × s/step."""
+    from bench.report import time_to_target_lines, time_to_target_section
+
+    _, results = suite
+    group, stats = strategies(results)
+    link = "1 Mbit/s, 40 ms RTT"
+    family = {name: [label for label in stats if label.startswith(name) and stats[label]["steps_to_target"]]
+              for name in ("rankdad", "powersgd")}
+    assert family["rankdad"] and family["powersgd"], "the smoke matrix has compressed runs that reach the target"
+    shared = {label: 1.0 for label in stats}  # shared cores: every step takes 1 s
+    alone = {label: 0.5 + 0.1 * i for i, label in enumerate(family["rankdad"] + family["powersgd"])}
+    links = {
+        "setting": group["setting"], "sites": group["sites"], "rates": {"unshaped": {}, link: {}},
+        "strategies": {label: {link: {"seconds": t, "bound": t}} for label, t in shared.items()},
+        "one_site": {label: {link: {"seconds": t, "bound": t}} for label, t in alone.items()},
+    }
+
+    def fastest(times: dict[str, float], name: str) -> float:
+        return min(stats[label]["steps_to_target"] * times[label] for label in family[name])
+
+    expected = {times_name: fastest(times, "powersgd") / fastest(times, "rankdad")
+                for times_name, times in (("shared", shared), ("alone", alone))}
+    section = "\n".join(time_to_target_section(links, results, tmp_path, tmp_path))
+    assert "with one-site step times (a core per process)" in section
+    assert f"{fastest(alone, 'powersgd'):.1f} s, {expected['alone']:.2f}× rank-dAD's time" in section
+    summary = "\n".join(time_to_target_lines(links, results))
+    verdict = "**met**" if expected["shared"] >= 1.5 else "not met"
+    assert f"IID {expected['shared']:.3f}× ({verdict}), {expected['alone']:.3f}× with one-site step times" in summary
