@@ -42,14 +42,15 @@ integration has no dropout tolerance (the gRPC runtime, ``dadfl server``, has).
 The ServerApp first reads it without decoding any tensor (:func:`read_reply`): only the
 header and tensor records; the header fields of its status with their types; tensor keys
 the strategy's upload rules name for the phase, with their dtypes; at most
-``MAX_PAYLOAD_BYTES`` of tensor data; and each ``.npy`` header must account exactly for
+``max_payload_bytes`` of tensor data; and each ``.npy`` header must account exactly for
 the bytes that follow before one copy is made (``np.load`` would allocate whatever a
 header claims). Then the gRPC coordinator's own checks run: the protocol header
 (``server/validate.py``: step, attempt, phase, base weights, sample count, loss), the
 strategy's rules and the influence bound, and the aggregated message as every node will
-decode it (``server/screening.py``). A Flower run config has no ``[federation]`` or
-``[wire]`` section, so the bounds are the gRPC server config's defaults:
-``max_influence_ratio`` 100, no ``max_update_norm``, ``max_payload_bytes`` 1 GiB.
+decode it (``server/screening.py``). The bounds (:class:`ServerBounds`) are the gRPC server
+config's fields of the same names, set in the run config (``max-influence-ratio``,
+``max-update-norm``, ``max-payload-bytes``) or at their defaults: ``max_influence_ratio``
+100, no ``max_update_norm``, ``max_payload_bytes`` 1 GiB.
 Without dropout tolerance, a refused node stops the run with a :class:`FlowerRunError`
 naming the node and the reason. What Flower itself holds before the ServerApp sees a
 reply (the message as the SuperLink received it) is Flower's to bound.
@@ -140,8 +141,10 @@ NODE_WAIT_S = 300.0  # how long the ServerApp waits for enough SuperNodes to con
 REPLY_TIMEOUT_S = 600.0  # a fresh flwr-clientapp process imports torch and loads the workload
 MAX_ATTEMPTS_PER_STEP = 3
 
+# The ServerApp's bounds on replies: ``dadfl server``'s [federation] and [wire] fields of these names.
+BOUND_FIELDS = {"max_influence_ratio": FederationConfig, "max_update_norm": FederationConfig, "max_payload_bytes": WireConfig}
 # Keys a Flower run config may set besides the SimulationConfig fields (dashes or underscores).
-RUN_CONFIG_EXTRAS = ("config", "strategy", "out")
+RUN_CONFIG_EXTRAS = ("config", "strategy", "out", *BOUND_FIELDS)
 
 
 # ----------------------------------------------------------------------------- records
@@ -170,9 +173,6 @@ def tensors_from_record(record: ArrayRecord) -> dict[str, torch.Tensor]:
 
 # ----------------------------------------------------------------------------- reading the other side
 
-# The gRPC server's defaults (server/config.py): a Flower run config has no [federation] or [wire].
-FEDERATION = FederationConfig()
-MAX_PAYLOAD_BYTES = WireConfig().max_payload_bytes
 MAX_FIELD_CHARS = 64  # a weights fingerprint (32 hex digits) with room to spare
 FIELD_CHARS = {"settings": MAX_SETTINGS_CHARS, "reason": REASON_CHARS}  # text fields longer than MAX_FIELD_CHARS
 MAX_COUNT = 2**31 - 1  # steps, phases, attempts and samples fit the wire header's fields
@@ -344,13 +344,35 @@ class RunSettings:
         return json.dumps({"config": self.config.model_dump(mode="json"), "strategy": self.spec.model_dump(mode="json")})
 
 
-def settings_from_run_config(run_config: dict[str, Any]) -> tuple[RunSettings, Path]:
-    """Settings for ``flwr run`` from the Flower run config; returns them and the metrics folder.
+@dataclass(frozen=True)
+class ServerBounds:
+    """What the ServerApp accepts from a reply: ``dadfl server``'s [federation] and [wire]
+    fields of the same names, with their defaults and limits (``server/config.py``)."""
+
+    max_influence_ratio: float = FederationConfig().max_influence_ratio
+    max_update_norm: float | None = FederationConfig().max_update_norm
+    max_payload_bytes: int = WireConfig().max_payload_bytes
+
+    @classmethod
+    def from_values(cls, values: dict[str, Any], source: str) -> "ServerBounds":
+        """The bounds ``values`` set (the rest default), checked as the gRPC server's config is."""
+        checked = {}
+        for model in (FederationConfig, WireConfig):
+            fields = {key: values[key] for key, owner in BOUND_FIELDS.items() if owner is model and key in values}
+            checked.update(validate_config(fields, model, source=source).model_dump(include=set(fields)))
+        return cls(**checked)
+
+
+def settings_from_run_config(run_config: dict[str, Any]) -> tuple[RunSettings, Path, ServerBounds]:
+    """Settings for ``flwr run`` from the Flower run config; returns them, the metrics folder
+    and the bounds on replies.
 
     ``config`` names a simulation TOML (``configs/simulation.toml``), ``strategy`` is one
     strategy spec (``"powersgd:rank=4"``, default ``"dad"``), ``out`` the folder for run
     directories (default ``runs``); any scalar SimulationConfig field (``workload``,
     ``sites``, ``steps``, ``batch-size``, ``seed`` ...) overrides the file.
+    ``max-influence-ratio``, ``max-update-norm`` and ``max-payload-bytes`` set the
+    :class:`ServerBounds` (absent: ``dadfl server``'s defaults).
     """
     values = {key.replace("-", "_"): value for key, value in run_config.items()}
     unknown = sorted(set(values) - set(RUN_CONFIG_EXTRAS) - set(SimulationConfig.model_fields))
@@ -359,6 +381,7 @@ def settings_from_run_config(run_config: dict[str, Any]) -> tuple[RunSettings, P
             f"Flower run config has unknown key(s) {', '.join(map(repr, unknown))}; dadfl reads "
             f"{', '.join(RUN_CONFIG_EXTRAS)} and the fields of SimulationConfig (see configs/simulation.toml)"
         )
+    bounds = ServerBounds.from_values({key: values.pop(key) for key in BOUND_FIELDS if key in values}, "Flower run config")
     path = values.pop("config", None)
     base = load_config(path, SimulationConfig).model_dump() if path else SimulationConfig().model_dump()
     spec = StrategySpec.parse(str(values.pop("strategy", "dad")))
@@ -366,7 +389,7 @@ def settings_from_run_config(run_config: dict[str, Any]) -> tuple[RunSettings, P
     base.update(values)
     base["strategies"] = [spec.model_dump()]
     config = validate_config(base, SimulationConfig, source=f"Flower run config{f' ({path})' if path else ''}")
-    return RunSettings(config, spec), out
+    return RunSettings(config, spec), out, bounds
 
 
 def workload_for(config: SimulationConfig) -> Workload:
@@ -633,8 +656,9 @@ class StepResult:
 class FlowerCoordinator:
     """The ServerApp's loop: the coordinator replica, the server half, one step at a time."""
 
-    def __init__(self, settings: RunSettings, grid: Grid, metrics: MetricsWriter, progress: Progress | None = None):
-        self.settings, self.grid, self.metrics, self.progress = settings, grid, metrics, progress
+    def __init__(self, settings: RunSettings, grid: Grid, metrics: MetricsWriter, progress: Progress | None = None,
+                 bounds: ServerBounds = ServerBounds()):
+        self.settings, self.grid, self.metrics, self.progress, self.bounds = settings, grid, metrics, progress, bounds
         self.config, self.spec = settings.config, settings.spec
         self.settings_json = settings.to_json()
         torch.set_num_threads(self.config.threads)
@@ -642,7 +666,7 @@ class FlowerCoordinator:
         device = resolve_device(self.config.device)
         self.replica = Replica(workload_for(self.config), self.strategy, self.config.optimizer, device)
         self.server_half = self.strategy.server(self.replica.layout, self.replica.model)
-        self.screening = Screening(self.replica, FEDERATION.max_influence_ratio, FEDERATION.max_update_norm)
+        self.screening = Screening(self.replica, bounds.max_influence_ratio, bounds.max_update_norm)
         self.fingerprint = weights_fingerprint(self.replica.model)
         self.nodes: list[int] = []
 
@@ -838,7 +862,7 @@ class FlowerCoordinator:
         checked = []
         for node in self.nodes:
             try:
-                reply = read_reply(replies[node].content, upload_dtypes, MAX_PAYLOAD_BYTES)
+                reply = read_reply(replies[node].content, upload_dtypes, self.bounds.max_payload_bytes)
             except Refused as exc:
                 self.refuse(node, step, phase, str(exc))
             if reply.status == REFUSED:
@@ -881,11 +905,11 @@ def make_server_app() -> ServerApp:
     def main(grid: Grid, context: Context) -> None:
         from .report import write_plots  # matplotlib: only the ServerApp needs it
 
-        settings, out = settings_from_run_config(dict(context.run_config))
+        settings, out, bounds = settings_from_run_config(dict(context.run_config))
         run_dir = run_directory(out, f"flower-{context.run_id}")
         (run_dir / "config.json").write_text(json.dumps(settings.config.model_dump(mode="json"), indent=2))
         with MetricsWriter(run_dir / "metrics.jsonl") as metrics:
-            summary = FlowerCoordinator(settings, grid, metrics).run()
+            summary = FlowerCoordinator(settings, grid, metrics, bounds=bounds).run()
         (run_dir / "summary.json").write_text(json.dumps([summary], indent=2))
         write_plots(run_dir)
         log.info("dadfl over Flower: %s -> %s", summary, run_dir)

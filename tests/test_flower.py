@@ -112,10 +112,10 @@ def task_identity(monkeypatch):
         monkeypatch.setattr(TaskIdentity, name, value, raising=False)
 
 
-def run_direct(tmp_path, config, spec, grid):
+def run_direct(tmp_path, config, spec, grid, bounds: flower.ServerBounds = flower.ServerBounds()):
     settings = flower.RunSettings(config, spec)
     with MetricsWriter(tmp_path / "metrics.jsonl") as metrics:
-        summary = flower.FlowerCoordinator(settings, grid, metrics).run()
+        summary = flower.FlowerCoordinator(settings, grid, metrics, bounds=bounds).run()
     return summary, list(read_metrics(tmp_path / "metrics.jsonl"))
 
 
@@ -183,8 +183,15 @@ def test_sites_with_their_own_data_files_train_like_the_partitioned_simulation(t
 
 def test_run_config_settings_and_errors(tmp_path):
     run_config = {"strategy": "powersgd:rank=2", "sites": 2, "batch-size": 8, "out": str(tmp_path)}
-    settings, out = flower.settings_from_run_config(run_config)
+    settings, out, bounds = flower.settings_from_run_config(run_config)
     assert (settings.spec.name, settings.spec.options) == ("powersgd", {"rank": 2})
     assert (settings.config.sites, settings.config.batch_size, out) == (2, 8, tmp_path)
+    assert bounds == flower.ServerBounds(100.0, None, 1 << 30)  # dadfl server's defaults
+    _, _, bounds = flower.settings_from_run_config(
+        {**run_config, "max-influence-ratio": 20, "max-update-norm": 5, "max-payload-bytes": 4096})
+    assert bounds == flower.ServerBounds(20.0, 5.0, 4096)
     with pytest.raises(ValueError, match="unknown key.*'sitez'"):
         flower.settings_from_run_config({"sitez": 2})
+    for key, value in (("max-influence-ratio", 1), ("max-update-norm", 0), ("max-payload-bytes", 10)):
+        with pytest.raises(ValueError, match=f"Flower run config.*{key.replace('-', '_')}"):  # the server config's limits
+            flower.settings_from_run_config({**run_config, key: value})

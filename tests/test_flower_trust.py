@@ -135,11 +135,23 @@ def test_a_hostile_reply_stops_the_run_naming_the_node_and_the_reason(tmp_path, 
     assert_refused(raised.value, 1, reason)
 
 
-def test_a_payload_over_the_byte_cap_is_refused_before_it_is_decoded(tmp_path, task_identity, monkeypatch):
+def test_a_payload_over_the_byte_cap_is_refused_before_it_is_decoded(tmp_path, task_identity):
     spec = StrategySpec(name="dad")
-    monkeypatch.setattr(flower, "MAX_PAYLOAD_BYTES", 1024)  # an honest dAD upload here is a few kB
+    bounds = flower.ServerBounds(max_payload_bytes=1024)  # an honest dAD upload here is a few kB
     with pytest.raises(flower.FlowerRunError, match=r"step 0 phase 0: node 7 refused: payload of \d+ bytes exceeds the limit of 1024"):
-        run_direct(tmp_path, small_config(spec, sites=3), spec, DirectGrid(3))
+        run_direct(tmp_path, small_config(spec, sites=3), spec, DirectGrid(3), bounds)
+
+
+def test_the_run_configs_update_norm_bound_refuses_an_honest_sized_update_over_it(tmp_path, task_identity):
+    """``max-update-norm`` reaches the screening: with a bound below every honest update the
+    first node's upload is refused, naming the bound; with the default (none) the run trains."""
+    spec = StrategySpec(name="dad")
+    _, _, bounds = flower.settings_from_run_config({"max-update-norm": 1e-6})
+    with pytest.raises(flower.FlowerRunError, match=r"step 0 phase 0: node 7 refused: contribution out of bounds: its update "
+                                                    r"norm [\d.]+ exceeds federation.max_update_norm=1e-06"):
+        run_direct(tmp_path / "bounded", small_config(spec, sites=3), spec, DirectGrid(3), bounds)
+    summary, records = run_direct(tmp_path / "default", small_config(spec, sites=3), spec, DirectGrid(3))
+    assert len(records) == 3 and summary["steps"] == 3
 
 
 def test_a_payload_the_rules_miss_is_caught_by_the_message_check(tmp_path, task_identity, monkeypatch):
