@@ -733,17 +733,10 @@ def time_to_target_section(links: dict | None, results: dict, images: Path, docs
                     row.append("–")
             rows.append(row)
         lines += table(header, rows)
-        for link in links_names:
-            found = seconds_on(seconds, partition, link)
-            rank = {label: t for label, t in found.items() if label.startswith("rankdad")}
-            power = {label: t for label, t in found.items() if label.startswith("powersgd")}
-            dsgd = found.get("dsgd")
-            if rank and power and dsgd:
-                best_rank, best_power = min(rank, key=rank.get), min(power, key=power.get)
-                lines.append(f"- {link}: fastest rank-dAD ({best_rank}) {rank[best_rank]:.1f} s; fastest PowerSGD ({best_power})"
-                             f" {power[best_power]:.1f} s, {power[best_power] / rank[best_rank]:.2f}× rank-dAD's time; dSGD"
-                             f" {dsgd:.1f} s, {dsgd / rank[best_rank]:.1f}× rank-dAD's time.")
-        lines += one_site_ratios(links, strategies, links_names)
+        dsgd = {link: seconds[partition, "dsgd", link] for link in links_names if (partition, "dsgd", link) in seconds}
+        lines += versus_lines(links["strategies"], strategies, links_names, dsgd=dsgd)
+        lines += versus_lines(links.get("one_site", {}), strategies, links_names,
+                              note=", with one-site step times (a core per process)")
         lines.append("")
     lines += choice_table(seconds, groups, links_names)
     image = images / f"bench_{links['setting']}_metric_vs_seconds.png"
@@ -765,15 +758,20 @@ def fastest_by_family(runs_by_label: dict, strategies: dict, link: str) -> dict[
     return best
 
 
-def one_site_ratios(links: dict, strategies: dict, links_names: list[str]) -> list[str]:
-    """rank-dAD against PowerSGD on each link with the one-site step times."""
+def versus_lines(runs_by_label: dict, strategies: dict, links_names: list[str], note: str = "",
+                 dsgd: dict[str, float] | None = None) -> list[str]:
+    """Per link, the fastest rank-dAD against the fastest PowerSGD (and dSGD's seconds, given)."""
     lines = []
     for link in links_names:
-        best = fastest_by_family(links.get("one_site", {}), strategies, link)
-        if "rankdad" in best and "powersgd" in best:
-            (rank, rank_s), (power, power_s) = best["rankdad"], best["powersgd"]
-            lines.append(f"- {link}, with one-site step times (a core per process): fastest rank-dAD ({rank}) {rank_s:.1f} s;"
-                         f" fastest PowerSGD ({power}) {power_s:.1f} s, {power_s / rank_s:.2f}× rank-dAD's time.")
+        best = fastest_by_family(runs_by_label, strategies, link)
+        if "rankdad" not in best or "powersgd" not in best:
+            continue
+        (rank, rank_s), (power, power_s) = best["rankdad"], best["powersgd"]
+        line = (f"- {link}{note}: fastest rank-dAD ({rank}) {rank_s:.1f} s; fastest PowerSGD ({power}) {power_s:.1f} s,"
+                f" {power_s / rank_s:.2f}× rank-dAD's time")
+        if dsgd and link in dsgd:
+            line += f"; dSGD {dsgd[link]:.1f} s, {dsgd[link] / rank_s:.1f}× rank-dAD's time"
+        lines.append(line + ".")
     return lines
 
 
