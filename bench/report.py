@@ -738,7 +738,7 @@ def time_to_target_section(links: dict | None, results: dict, images: Path, docs
         lines += versus_lines(links.get("one_site", {}), strategies, links_names,
                               note=", with one-site step times (a core per process)")
         lines.append("")
-    lines += choice_table(seconds, groups, links_names)
+    lines += choice_table(seconds, groups, links_names, links.get("one_site", {}))
     image = images / f"bench_{links['setting']}_metric_vs_seconds.png"
     if plot_metric_vs_seconds(links, groups, next((n for n in links_names if 'RTT' in n), links_names[0]), image):
         lines += [f"![{links['setting']}: metric against seconds on a wide-area link]({os.path.relpath(image, docs)})", ""]
@@ -775,12 +775,14 @@ def versus_lines(runs_by_label: dict, strategies: dict, links_names: list[str], 
     return lines
 
 
-def choice_table(seconds: dict[tuple[str, str, str], float], groups: dict, links_names: list[str]) -> list[str]:
-    """Per link and split, the fastest strategy of each family to dSGD's target: which to pick."""
-    header = ["link", "split"] + list(FAMILIES) + ["fastest"]
+def choice_table(seconds: dict[tuple[str, str, str], float], groups: dict, links_names: list[str],
+                 one_site: dict) -> list[str]:
+    """Per link and split, the fastest strategy of each family to dSGD's target: which to pick;
+    the last column, rank-dAD or PowerSGD with the one-site step times (a core per process)."""
+    header = ["link", "split"] + list(FAMILIES) + ["fastest", "fastest, one-site step times"]
     rows = []
     for link in links_names:
-        for partition in groups:
+        for partition, group in groups.items():
             found = seconds_on(seconds, partition, link)
             row = [link, SPLITS[partition]]
             for names in FAMILIES.values():
@@ -789,8 +791,12 @@ def choice_table(seconds: dict[tuple[str, str, str], float], groups: dict, links
                 row.append(f"{best}: {family[best]:.1f} s" if best else "not reached")
             fastest = min(found, key=found.get) if found else None
             row.append(f"**{fastest}**" if fastest else "–")
+            alone = fastest_by_family(one_site, group["strategies"], link).values()
+            label, time_ = min(alone, key=lambda pick: pick[1]) if alone else ("–", None)
+            row.append(f"{label}: {time_:.1f} s" if time_ is not None else label)
             rows.append(row)
-    return ["Which strategy reaches dSGD's target first, per link and split (seconds, from the tables above):", "",
+    return ["Which strategy reaches dSGD's target first, per link and split (seconds, from the tables above; the last"
+            " column compares rank-dAD and PowerSGD only, with the step times of one site, a core per process):", "",
             *table(header, rows)]
 
 
