@@ -19,6 +19,7 @@ seeded share of the training Dataset, which training then never sees.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -138,7 +139,9 @@ def read_csv(path: Path, target_column: str, field: str) -> Split:
     if target_column not in header:
         raise DataMismatch(f"{field} {path}: no column {target_column!r} in the header ({len(header)} columns); set data.target_column")
     try:
-        table = np.loadtxt(path, delimiter=",", skiprows=1, dtype=np.float64, ndmin=2)
+        with warnings.catch_warnings():  # no rows: the check below says so, in the site's words
+            warnings.filterwarnings("ignore", message="loadtxt: input contained no data", category=UserWarning)
+            table = np.loadtxt(path, delimiter=",", skiprows=1, dtype=np.float64, ndmin=2)
     except ValueError:  # numpy's message quotes the value: data never reaches a message
         raise DataMismatch(f"{field} {path}: every value after the header must be a number") from None
     if table.shape[0] == 0 or table.shape[1] != len(header):
