@@ -578,8 +578,7 @@ def links_section(links: dict | None) -> list[str]:
         "each in its own network namespace; every site link is a veth pair shaped in both directions with `tc tbf`",
         f"(token bucket of 1 ms of traffic). Model: {links['workload']} "
         + ", ".join(f"{k}={v}" for k, v in links["options"].items()) + " (1.13M parameters), 32 samples per site per step,",
-        f"{links['steps']} steps per run ({links['steps_compressed']} for rank-dAD and PowerSGD, whose steps"
-        " take milliseconds); seconds per step = median over the steps after the first (`bench/links.py`).",
+        f"{steps_per_run(links)}; seconds per step = median over the steps after the first (`bench/links.py`).",
         "",
         "**Bound** = compute + (busiest site's wire bytes up + down) / rate + phases × RTT, with *compute* the measured",
         "step time on the same unshaped veth links and RTT a measured 64-byte TCP echo across the shaped link",
@@ -617,6 +616,15 @@ def links_section(links: dict | None) -> list[str]:
             "",
         ]
     return lines
+
+
+def steps_per_run(links: dict) -> str:
+    """How many steps each link run took. A ``links.json`` written before rank-dAD and PowerSGD
+    ran more steps than the rest has no ``steps_compressed``: every run took ``steps``."""
+    compressed = links.get("steps_compressed", links["steps"])
+    if compressed == links["steps"]:
+        return f"{links['steps']} steps per run"
+    return f"{links['steps']} steps per run ({compressed} for rank-dAD and PowerSGD, whose steps take milliseconds)"
 
 
 def one_site_table(links: dict, rates: list[str]) -> list[str]:
@@ -778,8 +786,8 @@ def versus_lines(runs_by_label: dict, strategies: dict, links_names: list[str], 
 def choice_table(seconds: dict[tuple[str, str, str], float], groups: dict, links_names: list[str],
                  one_site: dict) -> list[str]:
     """Per link and split, the fastest strategy of each family to dSGD's target: which to pick;
-    the last column, rank-dAD or PowerSGD with the one-site step times (a core per process)."""
-    header = ["link", "split"] + list(FAMILIES) + ["fastest", "fastest, one-site step times"]
+    with one-site step times, a last column: rank-dAD or PowerSGD with those (a core per process)."""
+    header = ["link", "split"] + list(FAMILIES) + ["fastest"] + (["fastest, one-site step times"] if one_site else [])
     rows = []
     for link in links_names:
         for partition, group in groups.items():
@@ -791,13 +799,15 @@ def choice_table(seconds: dict[tuple[str, str, str], float], groups: dict, links
                 row.append(f"{best}: {family[best]:.1f} s" if best else "not reached")
             fastest = min(found, key=found.get) if found else None
             row.append(f"**{fastest}**" if fastest else "–")
-            alone = fastest_by_family(one_site, group["strategies"], link).values()
-            label, time_ = min(alone, key=lambda pick: pick[1]) if alone else ("–", None)
-            row.append(f"{label}: {time_:.1f} s" if time_ is not None else label)
+            if one_site:
+                alone = fastest_by_family(one_site, group["strategies"], link).values()
+                label, time_ = min(alone, key=lambda pick: pick[1]) if alone else ("–", None)
+                row.append(f"{label}: {time_:.1f} s" if time_ is not None else label)
             rows.append(row)
-    return ["Which strategy reaches dSGD's target first, per link and split (seconds, from the tables above; the last"
-            " column compares rank-dAD and PowerSGD only, with the step times of one site, a core per process):", "",
-            *table(header, rows)]
+    caption = "Which strategy reaches dSGD's target first, per link and split (seconds, from the tables above"
+    if one_site:
+        caption += "; the last column compares rank-dAD and PowerSGD only, with the step times of one site, a core per process"
+    return [caption + "):", "", *table(header, rows)]
 
 
 def plot_metric_vs_seconds(links: dict, groups: dict, link: str, image: Path) -> bool:

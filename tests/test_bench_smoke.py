@@ -170,7 +170,7 @@ def test_time_to_target_is_each_strategys_steps_times_its_step_time_on_the_link(
         else:
             assert "not reached" in row
     choice = next(line for line in text.splitlines() if line.startswith("| 1 Mbit/s, 40 ms RTT | IID |"))
-    assert choice.endswith(f"| **{slowest}** | – |"), choice  # no one-site step times given: that column is empty
+    assert choice.endswith(f"**{slowest}** |"), choice
     assert (tmp_path / f"bench_{group['setting']}_metric_vs_seconds.png").stat().st_size > 0
 
 
@@ -208,3 +208,22 @@ def test_one_site_step_times_give_their_own_time_to_target_ratio(suite, tmp_path
     assert choice.endswith(f"| {quickest}: {alone_seconds[quickest]:.1f} s |"), choice
     verdict = "**met**" if expected["shared"] >= 1.5 else "not met"
     assert f"IID {expected['shared']:.3f}× ({verdict}), {expected['alone']:.3f}× with one-site step times" in summary
+
+
+def test_the_links_section_reads_results_written_before_and_after_the_one_site_runs():
+    """A ``links.json`` from before rank-dAD and PowerSGD ran 5× the steps and one site has
+    neither ``steps_compressed`` nor ``one_site``: it still renders, saying what was run."""
+    from bench.report import links_section
+
+    run = {"seconds": 0.1, "wire_bytes_site": 1000, "phases": 1, "bound": 0.1, "over_bound": 1.0}
+    before = {
+        "workload": "digits-mlp", "options": {"hidden": 1024}, "sites": 4, "steps": 6,
+        "rates": {"unshaped": {"rtt": 1e-5}, "10 Mbit/s": {"rtt": 2e-5}},
+        "strategies": {label: {"unshaped": run, "10 Mbit/s": run} for label in ("dsgd", "rankdad r=1")},
+    }
+    text = "\n".join(links_section(before))
+    assert "6 steps per run;" in text and "one site" not in text
+    after = {**before, "steps_compressed": 30, "one_site": {"rankdad r=1": {"unshaped": run, "10 Mbit/s": run}}}
+    text = "\n".join(links_section(after))
+    assert "6 steps per run (30 for rank-dAD and PowerSGD" in text
+    assert "| rankdad r=1 | 0.100 | 0.100 | 0.100 | 1.000 |" in text  # the one-site table's row
