@@ -149,13 +149,14 @@ class ModelFacts:
         )
 
     def layer_low_rank(self, layer: CapturedLayer, max_rank: int, bias_folded: bool = False,
-                       groups_stacked: bool = False) -> Form:
+                       matrices: tuple[int, int] | None = None) -> Form:
         """P (groups, m, RANK) and Q (groups, k, RANK), the bias dense; ``bias_folded``: Q has
-        one row more, the bias's, and no bias travels apart; ``groups_stacked``: one matrix of
-        the groups' rows, P (1, groups·m, RANK)."""
+        one row more, the bias's, and no bias travels apart; ``matrices``: (how many, rows
+        each) the strategy factors the layer's rows as, by default its groups' (groups, m);
+        (1, groups·m) stacks them."""
         dtype = self.params[layer.weight][1]
         folded = bool(bias_folded and layer.bias)
-        groups, m = (1, layer.groups * layer.out_per_group) if groups_stacked else (layer.groups, layer.out_per_group)
+        groups, m = matrices or (layer.groups, layer.out_per_group)
         tensors = {
             tensor_key(layer.module, "P"): Spec((groups, m, RANK), dtype),
             tensor_key(layer.module, "Q"): Spec((groups, layer.in_per_group + folded, RANK), dtype),

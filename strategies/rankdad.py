@@ -590,7 +590,7 @@ class RankDAD(Strategy):
             max_rank = min(self.rank, target.m, target.k)
             if target.layer is not None:
                 forms = (facts.layer_low_rank(target.layer, max_rank, bias_folded=target.bias is not None,
-                                              groups_stacked=target.groups != target.layer.groups),
+                                              matrices=(target.groups, target.m)),
                          facts.layer_dense(target.layer))
             else:
                 dtype = facts.params[target.weight][1]

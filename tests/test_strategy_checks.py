@@ -23,6 +23,7 @@ STRATEGIES = {  # label: (name, options)
     "edad": ("edad", {}),
     "rankdad": ("rankdad", {"rank": 2}),
     "rankdad-low-rank": ("rankdad", {"rank": 2, "raw_input": "low_rank", "reduce_on_server": False}),
+    "rankdad-stacked": ("rankdad", {"rank": 2, "raw_input": "low_rank", "stack_groups": True}),  # digits-cnn: 2 groups
     "powersgd": ("powersgd", {"rank": 1, "start_iter": 0}),
 }
 EXACT = ("dsgd", "dad", "auto", "edad")  # their contribution is the site's exact mean gradient norm
