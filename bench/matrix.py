@@ -11,8 +11,9 @@ Two presets:
 - ``FULL``: the issue's matrix. Every workload runs 2, 4 and 8 sites, IID and
   Dirichlet(0.5) splits, two seeds per group, the character workloads on 16-character
   windows. ``digits-mlp-wide`` sizes the MLP for the ≥100x target (4 sites, both
-  splits, four seeds evaluated every 5 steps: the links' seconds to target are its
-  steps to target, and a coarser grid or fewer seeds move them by ±20 steps);
+  splits, eight seeds evaluated every 5 steps: the links' seconds to target are its
+  steps to target, and a coarser grid or fewer seeds move them by ±20 steps; its cells
+  take seconds each);
   ``char-transformer-3m`` is the ≥3M-parameter transformer (4 sites, IID, four seeds: two
   seeds of rank-dAD r=2 reached the target 50 steps apart).
 - ``SMOKE``: every workload, two sites, a few steps, one seed, a subset of strategies:
@@ -176,8 +177,10 @@ TEXT = {"seq_len": 16}
 # dSGD on the character workloads is still climbing steeply at 100 steps (char-gru 44% → 49%
 # by 200): the approximate strategies may take 3× its steps to reach its final metric.
 CATCH_UP = 3
-# The two settings judged on the ≥100× target run four seeds (see FULL above).
+# The two settings judged on the ≥100× target run four seeds (see FULL above); the wide MLP,
+# whose steps to target also set the links' seconds to target, runs eight.
 TARGET_SEEDS = (0, 1, 2, 3)
+WIDE_SEEDS = tuple(range(8))
 # 3.5M parameters: wide enough that the compressible matrices dominate (bound r=1 ≈ 140×).
 TRANSFORMER_3M = {"seq_len": 16, "d_model": 384, "layers": 2}
 
@@ -192,7 +195,7 @@ FULL: list[WorkloadSetting] = [
     WorkloadSetting(
         "digits-mlp-wide", "digits-mlp", {"hidden": 1024}, SGD, 200, 5, 32, feed_forward=True, purpose="target",
         note="1.1M parameters, sized so the compressible matrices dominate", ratio_target=True, local_steps=True,
-        **_grid(sites=(4,), seeds=TARGET_SEEDS),  # both splits and FedAvg/DiLoCo: the links' seconds to target use them
+        **_grid(sites=(4,), seeds=WIDE_SEEDS),  # both splits and FedAvg/DiLoCo: the links' seconds to target use them
     ),
     WorkloadSetting(
         "char-transformer-3m", "bench.workloads:char_transformer", TRANSFORMER_3M, ADAM_TRANSFORMER, 100, 10, 32,
