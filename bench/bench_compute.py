@@ -5,7 +5,8 @@
 The real-links benchmark (``bench/links.py``) charges every strategy its compute on
 unshaped links; this splits that compute the way the runtime spends it, on the
 ``digits-mlp-wide`` setting (digits MLP, hidden 1024, 4 sites, IID, batch 32, SGD 0.1
-momentum 0.9) with the matrix's options per strategy. Per step, medians over the steps
+momentum 0.9) with the matrix's options per strategy; ``--sites 1`` takes the first site's
+share alone, as the links benchmark's one-site runs do. Per step, medians over the steps
 after ``--warmup``:
 
 - **local**: one site's forward/backward (mean over sites);
@@ -35,20 +36,19 @@ from dadfl.workloads import load_workload, partition, site_batches
 
 from .matrix import WIDE, strategy_specs
 
-SITES = 4
 DEFAULT = [spec for spec in strategy_specs(feed_forward=True, ranks=(1, 2), exact=False, ablation=False)
            if spec.name in ("rankdad", "powersgd")]
 PARTS = ("local", "site", "server", "decode", "apply")
 
 
-def run(spec: StrategySpec, steps: int, warmup: int, seed: int = 0) -> dict:
+def run(spec: StrategySpec, steps: int, warmup: int, sites_count: int = 4, seed: int = 0) -> dict:
     """Per-part milliseconds per step (medians after ``warmup``) and the final fingerprint."""
     from dadfl.strategies import make_strategy
 
     workload = load_workload(WIDE.workload, **WIDE.options)
     strategy = make_strategy(spec.name, **spec.options)
     train = workload.training_data()
-    indices = partition(SITES, len(train), "iid", labels=workload.labels, seed=seed)
+    indices = partition(4, len(train), "iid", labels=workload.labels, seed=seed)[:sites_count]
     batches = [site_batches(train, index, WIDE.batch_size, seed=seed + s) for s, index in enumerate(indices)]
     optimizer = OptimizerConfig(**WIDE.optimizer)
     coordinator = Replica(workload, strategy, optimizer)
@@ -88,7 +88,7 @@ def run(spec: StrategySpec, steps: int, warmup: int, seed: int = 0) -> dict:
         if len(fingerprints) != 1:
             raise RuntimeError(f"{spec.display}: replicas differ after step {step}")
         fingerprint = fingerprints.pop()
-        per_replica = {"local": SITES, "site": SITES, "server": 1, "decode": SITES + 1, "apply": SITES + 1}
+        per_replica = {"local": sites_count, "site": sites_count, "server": 1, "decode": sites_count + 1, "apply": sites_count + 1}
         for part in PARTS:
             times[part].append(1000 * spent[part] / per_replica[part])
     medians = {part: statistics.median(values[warmup:]) for part, values in times.items()}
@@ -101,6 +101,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--strategies", nargs="*", type=StrategySpec.parse, default=DEFAULT)
+    parser.add_argument("--sites", type=int, choices=(1, 2, 3, 4), default=4, help="sites taking part (default 4)")
     parser.add_argument("--json", action="store_true", help="one JSON object per strategy instead of a table")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -108,7 +109,7 @@ def main() -> None:
     if not args.json:
         print(f"{'strategy':<16}" + "".join(f"{c:>11}" for c in columns) + "  fingerprint")
     for spec in args.strategies:
-        row = run(spec, args.steps, args.warmup)
+        row = run(spec, args.steps, args.warmup, args.sites)
         if args.json:
             print(json.dumps(row))
         else:

@@ -207,7 +207,8 @@ def test_one_site_step_times_give_their_own_time_to_target_ratio(suite, tmp_path
     choice = next(line for line in section.splitlines() if line.startswith(f"| {link} | IID |"))
     assert choice.endswith(f"| {quickest}: {alone_seconds[quickest]:.1f} s |"), choice
     verdict = "**met**" if expected["shared"] >= 1.5 else "not met"
-    assert f"IID {expected['shared']:.3f}× ({verdict}), {expected['alone']:.3f}× with one-site step times" in summary
+    assert (f"IID {expected['shared']:.3f}× ({verdict}), {expected['alone']:.3f}× with one-site step times "
+            "(no re-reduction at the server)") in summary
 
 
 def test_the_links_section_reads_results_written_before_and_after_the_one_site_runs():
@@ -227,3 +228,19 @@ def test_the_links_section_reads_results_written_before_and_after_the_one_site_r
     text = "\n".join(links_section(after))
     assert "6 steps per run (30 for rank-dAD and PowerSGD" in text
     assert "| rankdad r=1 | 0.100 | 0.100 | 0.100 | 1.000 |" in text  # the one-site table's row
+    # what one site leaves out is said: rank-dAD's server has nothing to re-reduce
+    assert "rank-dAD's re-reduction altogether" in text and "bench.bench_compute" in text
+
+
+def test_compute_benchmark_takes_one_site_and_stays_bit_identical():
+    """``bench.bench_compute --sites 1`` trains on the first site's share alone: every
+    replica agrees (it raises otherwise), a rerun gives the same weights, and they differ
+    from the 4-site run's (another batch mix, and a re-reduction at the server)."""
+    from bench.bench_compute import run
+    from dadfl.simulation import StrategySpec
+
+    spec = StrategySpec.parse("rankdad:rank=2,raw_input=low_rank")
+    one = run(spec, steps=3, warmup=0, sites_count=1)
+    assert run(spec, steps=3, warmup=0, sites_count=1)["fingerprint"] == one["fingerprint"]
+    assert one["fingerprint"] != run(spec, steps=3, warmup=0, sites_count=4)["fingerprint"]
+    assert set(one) == {"strategy", "local_ms", "site_ms", "server_ms", "decode_ms", "apply_ms", "step_ms", "fingerprint"}
