@@ -36,19 +36,20 @@ from dadfl.workloads import load_workload, partition, site_batches
 
 from .matrix import WIDE, strategy_specs
 
+SITES = WIDE.sites[0]  # the setting's 4 sites; --sites 1 keeps the first one's share
 DEFAULT = [spec for spec in strategy_specs(feed_forward=True, ranks=(1, 2), exact=False, ablation=False)
            if spec.name in ("rankdad", "powersgd")]
 PARTS = ("local", "site", "server", "decode", "apply")
 
 
-def run(spec: StrategySpec, steps: int, warmup: int, sites_count: int = 4, seed: int = 0) -> dict:
+def run(spec: StrategySpec, steps: int, warmup: int, sites_count: int = SITES, seed: int = 0) -> dict:
     """Per-part milliseconds per step (medians after ``warmup``) and the final fingerprint."""
     from dadfl.strategies import make_strategy
 
     workload = load_workload(WIDE.workload, **WIDE.options)
     strategy = make_strategy(spec.name, **spec.options)
     train = workload.training_data()
-    indices = partition(4, len(train), "iid", labels=workload.labels, seed=seed)[:sites_count]
+    indices = partition(SITES, len(train), "iid", labels=workload.labels, seed=seed)[:sites_count]
     batches = [site_batches(train, index, WIDE.batch_size, seed=seed + s) for s, index in enumerate(indices)]
     optimizer = OptimizerConfig(**WIDE.optimizer)
     coordinator = Replica(workload, strategy, optimizer)
@@ -101,7 +102,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--strategies", nargs="*", type=StrategySpec.parse, default=DEFAULT)
-    parser.add_argument("--sites", type=int, choices=(1, 2, 3, 4), default=4, help="sites taking part (default 4)")
+    parser.add_argument("--sites", type=int, choices=range(1, SITES + 1), default=SITES, help=f"sites taking part (default {SITES})")
     parser.add_argument("--json", action="store_true", help="one JSON object per strategy instead of a table")
     args = parser.parse_args()
     torch.set_num_threads(1)
