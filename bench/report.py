@@ -721,6 +721,8 @@ def time_to_target_section(links: dict | None, results: dict, images: Path, docs
         " updates being the same to float rounding) times the seconds per step measured on that link above (for FedAvg"
         " and DiLoCo a step is a round of H local steps, so their compute is in it). The link runs train IID; a step's"
         " bytes and compute do not depend on the split (every site reads 32 samples per step either way).",
+        "*each seed*: the steps at which each seed's own curve first reaches the same target, median and range,"
+        " and how many seeds reach it: how far the seed-mean crossing could move with other seeds.",
         "*bound*: the same steps times the link's physical bound per step.",
         "",
     ]
@@ -728,12 +730,12 @@ def time_to_target_section(links: dict | None, results: dict, images: Path, docs
     for partition, group in groups.items():
         strategies = group["strategies"]
         lines += [f"**{SPLITS[partition]}**, target {percent(group['target'])}%:", ""]
-        header = ["strategy", "steps to target"] + [f"{name}: s (bound)" for name in links_names]
+        header = ["strategy", "steps to target", "each seed"] + [f"{name}: s (bound)" for name in links_names]
         rows = []
         for label, runs in links["strategies"].items():
             own = own_run(strategies, label)
             steps = own["steps_to_target"] if own else None
-            row = [label, str(steps) if steps else ("not reached" if own else "not in the matrix")]
+            row = [label, str(steps) if steps else ("not reached" if own else "not in the matrix"), seed_spread(own)]
             for link in links_names:
                 run = runs.get(link)
                 if steps and run:
@@ -753,6 +755,18 @@ def time_to_target_section(links: dict | None, results: dict, images: Path, docs
     if plot_metric_vs_seconds(links, groups, next((n for n in links_names if 'RTT' in n), links_names[0]), image):
         lines += [f"![{links['setting']}: metric against seconds on a wide-area link]({os.path.relpath(image, docs)})", ""]
     return lines
+
+
+def seed_spread(own: dict | None) -> str:
+    """Each seed's own steps to the target: "median (min–max), reached/seeds"."""
+    if not own or not own.get("steps_to_target_per_seed"):
+        return "–"
+    per_seed = own["steps_to_target_per_seed"]
+    reached = sorted(steps for steps in per_seed if steps is not None)
+    counted = f"{len(reached)}/{len(per_seed)}"
+    if not reached:
+        return f"none, {counted}"
+    return f"{statistics.median(reached):g} ({reached[0]}–{reached[-1]}), {counted}"
 
 
 def fastest_by_family(runs_by_label: dict, strategies: dict, link: str) -> dict[str, tuple[str, float]]:

@@ -95,7 +95,7 @@ factors of the weight alone (P Qᵀ without that column) would be wrong, which i
 column is part of the matrix. Without error feedback nothing would carry what rank r
 drops, so the bias travels dense and exact (as with ``bias_in_factors=False``).
 Measured with the benchmark's matrix (4 sites, IID, seeds 0 and 1, evaluated every 10
-steps; ``docs/benchmarks.md`` now runs the wide MLP on seeds 0–7 every 5 steps), bias apart
+steps; ``docs/benchmarks.md`` now runs the wide MLP on seeds 0–15 every 5 steps), bias apart
 → folded, fewer bytes than dSGD to dSGD's target: digits MLP 39.4× → 53.4× (r=1), wide
 MLP 156.7× → 250.6× (r=1), digits CNN 2.8× (r=4) → 4.7× (r=2). A wide-MLP
 step at r=1 sends 33% fewer bytes (24.9 → 16.7 KB per site). The steps to the target

@@ -7,6 +7,7 @@ are complete and agree with the strategies' cost formulas.
 import csv
 import json
 import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -165,10 +166,14 @@ def test_time_to_target_is_each_strategys_steps_times_its_step_time_on_the_link(
     for label in labels:
         steps = stats["dsgd"]["steps_to_target"] if label in ("dad", "auto", "edad") else stats[label]["steps_to_target"]
         row = next(line for line in text.splitlines() if line.startswith(f"| {label} |"))
+        own = stats["dsgd"] if label in ("dad", "auto", "edad") else stats[label]
+        reached = sorted(s for s in own["steps_to_target_per_seed"] if s is not None)
+        spread = (f"{statistics.median(reached):g} ({reached[0]}–{reached[-1]}), {len(reached)}/{own['seeds']}" if reached
+                  else f"none, 0/{own['seeds']}")
         if steps:
-            assert f"| {steps} | {steps * seconds[label]:.1f} ({steps * seconds[label] / 2:.1f}) |" in row, row
+            assert f"| {steps} | {spread} | {steps * seconds[label]:.1f} ({steps * seconds[label] / 2:.1f}) |" in row, row
         else:
-            assert "not reached" in row
+            assert f"| not reached | {spread} |" in row, row
     choice = next(line for line in text.splitlines() if line.startswith("| 1 Mbit/s, 40 ms RTT | IID |"))
     assert choice.endswith(f"**{slowest}** |"), choice
     assert (tmp_path / f"bench_{group['setting']}_metric_vs_seconds.png").stat().st_size > 0
