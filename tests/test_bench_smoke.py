@@ -164,9 +164,9 @@ def test_time_to_target_is_each_strategys_steps_times_its_step_time_on_the_link(
     }
     text = "\n".join(time_to_target_section(links, results, tmp_path, tmp_path))
     for label in labels:
-        steps = stats["dsgd"]["steps_to_target"] if label in ("dad", "auto", "edad") else stats[label]["steps_to_target"]
-        row = next(line for line in text.splitlines() if line.startswith(f"| {label} |"))
         own = stats["dsgd"] if label in ("dad", "auto", "edad") else stats[label]
+        steps = own["steps_to_target"]
+        row = next(line for line in text.splitlines() if line.startswith(f"| {label} |"))
         reached = sorted(s for s in own["steps_to_target_per_seed"] if s is not None)
         spread = (f"{statistics.median(reached):g} ({reached[0]}–{reached[-1]}), {len(reached)}/{own['seeds']}" if reached
                   else f"none, 0/{own['seeds']}")
