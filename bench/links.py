@@ -64,7 +64,7 @@ from dadfl.simulation import SimulationConfig, StrategySpec
 from .execute import run_part
 from .matrix import WIDE, strategy_specs
 
-SITES = 4
+SITES = WIDE.sites[0]  # the setting's sites: the matrix's steps to target for it set the seconds to target
 STEPS = 6
 # rank-dAD's and PowerSGD's steps take tens of milliseconds: 5× the steps make their median
 # steady to a few percent (with 6, two runs of the same strategy differed by up to 18%)

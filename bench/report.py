@@ -648,7 +648,7 @@ def one_site_table(links: dict, rates: list[str]) -> list[str]:
         "the site have a core each: the same link, bytes per site and round trips, without that wait. They also leave",
         f"out the coordinator's work on {links['sites'] - 1} more payloads, and rank-dAD's re-reduction altogether: one",
         "site's rank-r factors are already rank r, so its server passes them on (`python -m bench.bench_compute",
-        "--sites 1`, against its default of 4 sites, measures what that leaves out):",
+        f"--sites 1`, against its default of {links['sites']} sites, measures what that leaves out):",
         "",
         *table(header, rows),
     ]
