@@ -15,6 +15,9 @@ run with the mode active), wherever the call happens. Δ comes from a tensor hoo
 call's own output, so a forward hook that replaces a module's output, in-place ops and
 reuse are all seen correctly. Which captures are trustworthy is decided once, by the
 probe in ``layout.py``; a step whose calls do not match the layout sends that layer dense.
+A call reads the model's **raw input** when its input is that input or anything computed
+from it by other functions than a captured call (normalising, scaling, casting, selecting
+columns): only a captured call's learned mixing ends the raw input.
 
 **Per-sample calls** (only for clipping, ``privacy.py``): the parameters no layer covers are
 followed too, with every use of them (and of their views) noted. Two call forms give each
@@ -38,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from .base import Factors, LocalResult
 from .layout import CapturedLayer, Layout
@@ -111,6 +115,22 @@ class SampleCall:
     delta: torch.Tensor | None = None  # the output's gradient once backward has run
 
 
+# Functions whose result takes only a shape, dtype and device from their tensor argument,
+# none of its values (a recurrent cell's zero state made with ``inputs.new_zeros``).
+VALUE_FREE = frozenset({
+    torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_empty, torch.Tensor.new_full,
+    torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like,
+})
+
+
+def _storage(tensor: torch.Tensor) -> int | None:
+    """The address of a tensor's storage (shared by its views); None where it has none (sparse)."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 class CallRecorder(TorchFunctionMode):
     """Records the calls on the given parameters during a forward pass.
 
@@ -133,7 +153,8 @@ class CallRecorder(TorchFunctionMode):
     ):
         super().__init__()
         self.params = params  # id(parameter) -> (canonical name, parameter)
-        self.raw_storages = {t.untyped_storage().data_ptr() for t in raw_inputs if torch.is_tensor(t)}
+        self.raw_storages = {_storage(t) for t in raw_inputs if torch.is_tensor(t)} - {None, 0}
+        self._raw_kept: list[torch.Tensor] = []
         self.calls: dict[str, list[Call]] = {}
         self.refused: dict[str, str] = {}
         self.uses: dict[str, set[str]] = {}
@@ -153,10 +174,15 @@ class CallRecorder(TorchFunctionMode):
             with self:
                 return opened(*args, **kwargs)
         out = func(*args, **kwargs)
+        kind = CAPTURED_CALLS.get(func)
+        captured = (
+            torch.is_grad_enabled() and kind is not None and torch.is_tensor(out) and out.requires_grad
+            and self._record(kind, args, kwargs, out)
+        )
+        if not captured and func not in VALUE_FREE:
+            self._follow_raw(args, kwargs, out)
         if not torch.is_grad_enabled():
             return out
-        kind = CAPTURED_CALLS.get(func)
-        captured = kind is not None and torch.is_tensor(out) and out.requires_grad and self._record(kind, args, kwargs, out)
         if not captured:
             self._note_uses(func, args, kwargs, out)
         if self.sample_params:
@@ -240,6 +266,19 @@ class CallRecorder(TorchFunctionMode):
         out.register_hook(record)
         return {id(t[3]) for t in targets}
 
+    def _follow_raw(self, args: tuple, kwargs: dict, out) -> None:
+        """What anything but a captured call computes from the raw input (a normalisation, a
+        scaling, a cast, a selection of columns) is raw input too: a layer reading it reads the
+        patient data transformed, often invertibly (BatchNorm's output and its running
+        statistics give back the rows). Only a captured call's output (a learned mixing) is not."""
+        if not any(_storage(t) in self.raw_storages for t in tree_leaves((args, kwargs)) if torch.is_tensor(t)):
+            return
+        for result in tree_leaves(out):
+            pointer = _storage(result) if torch.is_tensor(result) else None
+            if pointer:
+                self.raw_storages.add(pointer)
+                self._raw_kept.append(result)  # alive while recording: no later tensor reuses its address
+
     def _note_uses(self, func, args: tuple, kwargs: dict, out) -> None:
         sources = {}  # parameter -> the function that made the view it is read through (None: direct)
         for value in (*args, *kwargs.values()):
@@ -303,7 +342,7 @@ class CallRecorder(TorchFunctionMode):
         elif x.dtype != weight.dtype or out.dtype != weight.dtype:
             self.refused[name] = f"a {kind} call computes in {out.dtype} while the weight is {weight.dtype} (autocast)"
             return True
-        raw = x.untyped_storage().data_ptr() in self.raw_storages
+        raw = _storage(x) in self.raw_storages
         lead = int(x.shape[0]) if x.dim() >= (2 if kind in ("linear", LOOKUP) else {"conv1d": 3, "conv2d": 4}[kind]) else None
         if kind == LOOKUP:
             padding = bound["padding_idx"]

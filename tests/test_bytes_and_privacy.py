@@ -2,8 +2,9 @@
 
 import pytest
 import torch
+from torch import nn
 
-from dadfl.strategies import local_step, make_strategy
+from dadfl.strategies import Layout, local_step, make_strategy
 
 from model_zoo import build, exchange_step, per_sample_cross_entropy, site_batches
 
@@ -104,6 +105,46 @@ def test_raw_input_layer_never_sends_activations_by_default(strategy, kind):
     local = local_step(model, layout, per_sample_cross_entropy, *batches[0])
     payload = strategy_obj.site(layout, model).begin(local, 0)
     assert f"{first.module}:A" not in payload.tensors, "raw input must not leave the site"
+
+
+class NormalisedInput(nn.Module):
+    """Patient rows transformed before the first layer: BatchNorm, LayerNorm, a scaling, a column
+    selection, or a standardisation under no_grad; a recurrent zero state shaped like the input."""
+
+    def __init__(self, before: str):
+        super().__init__()
+        self.before = before
+        self.norm = nn.BatchNorm1d(12) if before == "batch_norm" else nn.LayerNorm(12)
+        self.first, self.state, self.second = nn.Linear(12, 16), nn.Linear(16, 16), nn.Linear(16, 5)
+
+    def forward(self, x):
+        if self.before == "scaling":
+            x = x / 100
+        elif self.before == "columns":
+            x = torch.cat([x[:, 6:], x[:, :6]], dim=1).float()
+        elif self.before == "no_grad_standardisation":
+            with torch.no_grad():
+                x = (x - x.mean(0)) / (x.std(0) + 1e-6)
+        else:
+            x = self.norm(x)
+        zero_state = x.new_zeros(x.shape[0], 16)  # shape only: not raw input
+        return self.second(torch.tanh(self.first(x) + self.state(zero_state)))
+
+
+@pytest.mark.parametrize("before", ["batch_norm", "layer_norm", "scaling", "columns", "no_grad_standardisation"])
+def test_raw_input_stays_raw_through_what_transforms_it(before):
+    """A layer reading the input after a normalisation or any other transformation reads the
+    patient rows all the same (BatchNorm's output and running statistics give them back): its
+    activations stay on the site; a captured layer's output, or a zero state, is not raw input."""
+    torch.manual_seed(0)
+    model = NormalisedInput(before)
+    x, y = site_batches("mlp", sizes=(6,))[0]
+    layout = Layout.from_model(model, x)
+    assert {layer.module: layer.raw_input for layer in layout.layers} == {"first": True, "state": False, "second": False}
+    local = local_step(model, layout, per_sample_cross_entropy, x, y)
+    payload = make_strategy("dad").site(layout, model).begin(local, 0)
+    assert "first:A" not in payload.tensors and "first.weight:grad" in payload.tensors
+    assert "second:A" in payload.tensors
 
 
 def test_raw_input_activations_only_when_allowed():
