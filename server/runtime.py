@@ -39,12 +39,17 @@ async def serve(config: ServerConfig, insecure: bool = False, on_listening: Call
     enrolled = check_tokens_file(Path(config.listen.tokens))
     log.info("%d site(s) enrolled in %s", enrolled, config.listen.tokens)
     coordinator = Coordinator(config)
-    server = grpc.aio.server(options=channel_options(config.wire.chunk_bytes))
+    # No SO_REUSEPORT: gRPC sets it by default, so a second coordinator (or any process that
+    # sets it too) could bind the same port and take some of the sites' connections.
+    server = grpc.aio.server(options=[*channel_options(config.wire.chunk_bytes), ("grpc.so_reuseport", 0)])
     add_coordinator(coordinator, server)
     address = config.listen.address
-    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    try:
+        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError:  # grpcio raises where older releases returned 0
+        port = 0
     if port == 0:
-        raise OSError(f"cannot listen on {address} (listen.address): is the port taken?")
+        raise OSError(f"cannot listen on {address} (listen.address): is the port taken, by another coordinator perhaps?")
     endpoint = f"{address.rsplit(':', 1)[0]}:{port}"
     await server.start()
     endpoint_file = Path(config.run_dir) / ENDPOINT_FILE
