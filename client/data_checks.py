@@ -109,17 +109,26 @@ class CheckedBatches:
 
 def check_batches(model: nn.Module, loss, batches, source: str, device: torch.device) -> CheckedBatches:
     """Step 0's batch (a pure function of seed and step: drawing it changes no other step's)
-    decides the conversion and goes through the model and loss (:func:`probe`). When the data
-    is a :class:`~dadfl.workloads.SplitDataset` (a file or a partition) every label and every
-    integer input is checked, not only the batch's (also behind a held-out share)."""
-    inputs, targets = batches.at(0)
+    decides the conversion and goes through the model and loss (:func:`checked_conversion`)."""
+    conversion = checked_conversion(model, loss, *batches.at(0), getattr(batches, "dataset", None), source, device)
+    return CheckedBatches(batches, conversion, source)
+
+
+def checked_conversion(
+    model: nn.Module, loss, inputs: torch.Tensor, targets: torch.Tensor, dataset: Dataset | None, source: str,
+    device: torch.device,
+) -> Conversion:
+    """The conversion a first batch like this one needs, that batch through the model and loss
+    (:func:`probe`) and, when ``dataset`` is a :class:`~dadfl.workloads.SplitDataset` (a file
+    or a partition, also behind a held-out share), every row's inputs and labels checked, not
+    only the batch's."""
     conversion = plan_conversion(model, inputs, targets, source)
     inputs, targets = conversion.apply(inputs, targets, source)
-    all_inputs, all_targets = split_rows(getattr(batches, "dataset", None))
+    all_inputs, all_targets = split_rows(dataset)
     if all_inputs is not None and conversion.inputs is not None and not (all_inputs.is_floating_point() or all_inputs.dtype == torch.bool):
         check_exact(all_inputs, conversion.inputs, source)
     probe(model, loss, inputs.to(device), targets.to(device), source, all_inputs, all_targets)
-    return CheckedBatches(batches, conversion, source)
+    return conversion
 
 
 def split_rows(dataset: Dataset | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -135,12 +144,11 @@ def split_rows(dataset: Dataset | None) -> tuple[torch.Tensor | None, torch.Tens
 
 
 def check_dataset(model: nn.Module, loss, dataset: Dataset, source: str, device: torch.device, rows: int = 64) -> Dataset:
-    """A held-out Dataset checked as :func:`check_batches` checks training batches (its first
-    ``rows`` items), converted as its own dtypes need."""
+    """A held-out Dataset checked as :func:`check_batches` checks training data (its first
+    ``rows`` items through the model, every row of a file or partition), converted as its own
+    dtypes need."""
     inputs, targets = next(iter(DataLoader(dataset, batch_size=min(rows, len(dataset)))))
-    conversion = plan_conversion(model, inputs, targets, source)
-    inputs, targets = conversion.apply(inputs, targets, source)
-    probe(model, loss, inputs.to(device), targets.to(device), source)
+    conversion = checked_conversion(model, loss, inputs, targets, dataset, source, device)
     return ConvertedDataset(dataset, conversion, source) if conversion != Conversion() else dataset
 
 

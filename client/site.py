@@ -326,7 +326,9 @@ class Session:
         if not is_eval_step(step, run.config.eval_every, run.config.steps):
             return None
         scores = run.replica.evaluate(run.held_out)
-        log.info("step %d: held-out %s on %d samples", step, ", ".join(f"{k} {v:.4f}" for k, v in scores.items()), len(run.held_out))
+        # counted from 1, as the coordinator's progress line counts the steps done
+        log.info("after step %d: held-out %s on %d samples", step + 1, ", ".join(f"{k} {v:.4f}" for k, v in scores.items()),
+                 len(run.held_out))
         return cpb.EvalReport(samples=len(run.held_out), metrics=scores)
 
 

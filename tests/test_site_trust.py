@@ -524,3 +524,25 @@ def test_labels_are_checked_in_full_also_when_a_share_is_held_out():
     batches = StepBatches(training, 16, seed=0)
     with pytest.raises(DataMismatch, match=r"1 of 320 rows hold labels outside 0..9"):
         check_batches(workload.build_model(), workload.loss, batches, "data.path x.npz", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("problem,message", [("label", r"1 of 400 rows hold labels outside 0..9"),
+                                             ("nan", r"1 of 400 rows of inputs hold NaN or Inf")])
+def test_a_held_out_file_is_checked_in_full_before_the_site_joins(problem, message):
+    """Evaluation data is checked as training data is: a bad row past the first batch stops the
+    site at start, in one line without the value, not at its first evaluation."""
+    from dadfl.client.data_checks import check_dataset
+    from dadfl.workloads import Split, SplitDataset
+    from dadfl.workloads.digits import mlp
+
+    workload = mlp(hidden=16)
+    digits = load_digits()
+    inputs = torch.as_tensor(digits.data[:400] / 16, dtype=torch.float32)
+    targets = torch.as_tensor(digits.target[:400], dtype=torch.int64)
+    if problem == "label":
+        targets[399] = 12
+    else:
+        inputs[399, 5] = float("nan")
+    held_out = SplitDataset(Split(inputs, targets))
+    with pytest.raises(DataMismatch, match=message):
+        check_dataset(workload.build_model(), workload.loss, held_out, "evaluation.path held-out.csv", torch.device("cpu"))
