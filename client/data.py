@@ -19,7 +19,7 @@ seeded share of the training Dataset, which training then never sees.
 
 from __future__ import annotations
 
-import warnings
+import csv
 from pathlib import Path
 from typing import Sequence
 
@@ -133,28 +133,45 @@ def held_out_source(config: SiteConfig, source: str) -> str:
 
 
 def read_csv(path: Path, target_column: str, field: str) -> Split:
-    """Features as float32, the ``target_column`` as int64 class labels."""
-    with open(path, newline="") as file:
-        header = file.readline().strip().split(",")
+    """Features as float32, the ``target_column`` as int64 class labels. Read as spreadsheets
+    export it: quoted fields, a UTF-8 byte-order mark, blank lines at the end. A problem names
+    its line and column, never a value."""
+    with open(path, newline="", encoding="utf-8-sig") as file:
+        lines = [(number, row) for number, row in enumerate(csv.reader(file), start=1) if row]
+    header = [name.strip() for name in lines[0][1]] if lines else []
     if target_column not in header:
         raise DataMismatch(f"{field} {path}: no column {target_column!r} in the header ({len(header)} columns); set data.target_column")
+    rows = lines[1:]
+    for number, row in rows:
+        if len(row) != len(header):
+            raise DataMismatch(
+                f"{field} {path}: line {number} has {len(row)} values against {len(header)} header columns: every row "
+                "must have one value per header column"
+            )
+    if not rows:
+        raise DataMismatch(f"{field} {path}: no rows after the header: every row must have one value per header column, and there must be rows")
     try:
-        with warnings.catch_warnings():  # no rows: the check below says so, in the site's words
-            warnings.filterwarnings("ignore", message="loadtxt: input contained no data", category=UserWarning)
-            table = np.loadtxt(path, delimiter=",", skiprows=1, dtype=np.float64, ndmin=2)
-    except ValueError:  # numpy's message quotes the value: data never reaches a message
-        raise DataMismatch(f"{field} {path}: every value after the header must be a number") from None
-    if table.shape[0] == 0 or table.shape[1] != len(header):
-        raise DataMismatch(
-            f"{field} {path}: {table.shape[1]} values per row and {table.shape[0]} rows, against {len(header)} header "
-            "columns: every row must have one value per header column, and there must be rows"
-        )
+        table = np.asarray([row for _, row in rows], dtype=np.float64)
+    except ValueError:  # numpy's message quotes the value: find the cell, and name only where it is
+        raise DataMismatch(f"{field} {path}: {_first_non_number(rows, header)}") from None
     target = header.index(target_column)
     labels = table[:, target]
     if not np.array_equal(labels, np.round(labels)):
         raise DataMismatch(f"{field} {path}: column {target_column!r} must hold whole-number class labels")
     features = np.delete(table, target, axis=1).astype(np.float32)
     return Split(torch.from_numpy(features), torch.from_numpy(labels.astype(np.int64)))
+
+
+def _first_non_number(rows: list[tuple[int, list[str]]], header: list[str]) -> str:
+    for number, row in rows:
+        for name, value in zip(header, row):
+            if not value.strip():
+                return f"line {number}, column {name!r} is empty: fill in or drop rows with missing values"
+            try:
+                float(value)
+            except ValueError:
+                return f"line {number}, column {name!r} is not a number: every value after the header must be a number"
+    return "every value after the header must be a number"
 
 
 def dataset_from_factory(data: DatasetData, search_path: Sequence[Path] = ()) -> Dataset:

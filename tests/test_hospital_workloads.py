@@ -109,6 +109,28 @@ def test_coordinator_only_options_never_reach_the_sites(tmp_path, package):
         WorkloadConfig(options={"hidden": 4}, coordinator_options={"hidden": 8})
 
 
+def test_csv_as_spreadsheets_export_it_and_where_a_cell_is_wrong(tmp_path):
+    """Quoted fields and Excel's byte-order mark read as plain CSV; a missing or non-numeric cell
+    and a row of the wrong width are named by line and column, never by value."""
+    plain = "age,marker,target\n61,0.5,1\n45,1.25,0\n"
+    quoted = '"age","marker","target"\n"61","0.5","1"\n"45","1.25","0"\n\n'
+    for name, text, encoding in (("plain", plain, "utf-8"), ("quoted", quoted, "utf-8"), ("excel", plain, "utf-8-sig")):
+        path = tmp_path / f"{name}.csv"
+        path.write_text(text, encoding=encoding)
+        split = read_data_file(path)
+        assert split.inputs.tolist() == [[61.0, 0.5], [45.0, 1.25]] and split.targets.tolist() == [1, 0], name
+    for name, text, message in (
+        ("missing", "age,marker,target\n61,0.5,1\n45,,0\n", "line 3, column 'marker' is empty"),
+        ("word", "age,marker,target\n61,0.5,1\n45,high-risk,0\n", "line 3, column 'marker' is not a number"),
+        ("extra", "age,marker,target\n61,0.5,1\n45,1.25,0,7\n", "line 3 has 4 values against 3 header columns"),
+    ):
+        path = tmp_path / f"{name}.csv"
+        path.write_text(text)
+        with pytest.raises(ValueError, match=message) as refused:
+            read_data_file(path)
+        assert "high-risk" not in str(refused.value) and "45" not in str(refused.value)
+
+
 def test_csv_site_data_and_held_out_share(tmp_path):
     path = tmp_path / "site.csv"
     path.write_text("age,marker,target\n61,0.5,1\n45,1.25,0\n70,2.0,1\n38,0.75,0\n52,1.5,1\n")
