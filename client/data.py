@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, Subset
 
 from dadfl.workloads import Split, SplitDataset, StepBatches, Workload, partition
-from dadfl.workloads.base import import_module
+from dadfl.workloads.base import import_user_module
 
 from .config import DatasetData, EvaluationData, FileData, SiteConfig
 from .data_checks import DataMismatch
@@ -178,14 +178,11 @@ def dataset_from_factory(data: DatasetData, search_path: Sequence[Path] = ()) ->
     """Call the configured ``package.module:function`` (looked up in the site's
     ``workload_path`` first) and check it returned a usable Dataset."""
     module_name, function_name = data.factory.split(":", 1)
-    try:
-        module = import_module(module_name, search_path)
-    except ImportError as exc:
-        raise ValueError(
-            f"data.factory {data.factory!r}: cannot import {module_name!r} ({exc}); install the package "
-            "that provides it in the site's environment (pip install -e <your package>) or name its "
-            "parent folder in workload_path"
-        ) from None
+    module = import_user_module(
+        module_name, search_path, f"data.factory {data.factory!r}",
+        "install the package that provides it in the site's environment (pip install -e <your package>) or name its "
+        "parent folder in workload_path",
+    )
     function = getattr(module, function_name, None)
     if not callable(function):
         raise ValueError(f"data.factory {data.factory!r}: module {module_name!r} has no function {function_name!r}")

@@ -75,7 +75,7 @@ def test_a_dataset_factory_trains_exactly_like_the_same_samples_from_a_partition
         ("test_site_dataset:stream", {}, "not a map-style"),
         ("test_site_dataset:not_a_dataset", {}, "not a map-style"),
         ("test_site_dataset:missing", {}, "has no function 'missing'"),
-        ("no_such_package.data:train", {}, "cannot import 'no_such_package.data'"),
+        ("no_such_package.data:train", {}, "cannot import module 'no_such_package.data'"),
         ("test_site_dataset:digits_share", {"site": 1}, "does not accept data.options"),
     ],
 )

@@ -197,6 +197,25 @@ def test_bad_specs_and_options_get_clear_errors(spec, options, error, message):
         load_workload(spec, **options)
 
 
+@pytest.mark.parametrize(
+    ("package", "source", "message"),
+    [
+        ("missing_import", "import torchvisionn\n",
+         r"module 'missing_import.net' was found, but it imports 'torchvisionn', which is not installed"),
+        ("syntax_error", "def build(:\n    pass\n",
+         r"module 'syntax_error.net' does not compile: .* \(net.py, line 1\); fix that file"),
+    ],
+)
+def test_a_workload_module_that_fails_to_import_says_why(tmp_path, package, source, message):
+    """A module that is found but cannot run is not 'cannot import': the error names its own missing import or
+    its syntax error, not the workload path."""
+    (tmp_path / package).mkdir()
+    (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / package / "net.py").write_text(source)
+    with pytest.raises(ValueError, match=message):
+        load_workload(f"{package}.net:build", search_path=[tmp_path])
+
+
 def test_an_import_path_spec_loads_with_options():
     workload = load_workload("dadfl.workloads.digits:mlp", hidden=8)
     assert workload.build_model()[0].out_features == 8

@@ -124,6 +124,27 @@ def import_module(module_name: str, search_path: Sequence[Path | str] = ()):
     return importlib.import_module(module_name)
 
 
+def import_user_module(module_name: str, search_path: Sequence[Path | str], what: str, not_found: str):
+    """:func:`import_module`, its failures as one ValueError that says which: the module not
+    found (``not_found`` says where to put it), found but importing something not installed,
+    or found but not compiling."""
+    try:
+        return import_module(module_name, search_path)
+    except SyntaxError as exc:
+        raise ValueError(
+            f"{what}: module {module_name!r} does not compile: {exc.msg} ({Path(exc.filename or '?').name}, "
+            f"line {exc.lineno}); fix that file"
+        ) from None
+    except ImportError as exc:
+        missing = getattr(exc, "name", None)
+        if missing and missing != module_name and not module_name.startswith(missing + "."):
+            raise ValueError(
+                f"{what}: module {module_name!r} was found, but it imports {missing!r}, which is not installed here; "
+                "install it in this environment"
+            ) from exc
+        raise ValueError(f"{what}: cannot import module {module_name!r} ({exc}); {not_found}") from exc
+
+
 def load_workload(spec: str, search_path: Sequence[Path | str] = (), **options) -> Workload:
     """Build a workload from a built-in name (``digits-mlp``) or ``"module:factory"``,
     looking for the module in ``search_path`` first."""
@@ -134,15 +155,12 @@ def load_workload(spec: str, search_path: Sequence[Path | str] = (), **options) 
             "nor an import path of the form 'package.module:factory'"
         )
     module_name, factory_name = path.split(":", 1)
-    try:
-        module = import_module(module_name, search_path)
-    except ImportError as exc:
-        where = ", ".join(map(str, search_path)) if search_path else "the installed packages"
-        raise ValueError(
-            f"workload {spec!r}: cannot import module {module_name!r} from {where} ({exc}); install the "
-            "package that holds it (pip install -e PATH) or name its parent folder as the workload path "
-            "(--workload-path, or workload path in the config)"
-        ) from exc
+    where = ", ".join(map(str, search_path)) if search_path else "the installed packages"
+    module = import_user_module(
+        module_name, search_path, f"workload {spec!r}",
+        f"it is not in {where}; install the package that holds it (pip install -e PATH) or name its parent folder "
+        "as the workload path (--workload-path, or workload path in the config)",
+    )
     factory = getattr(module, factory_name, None)
     if factory is None:
         raise ValueError(f"workload {spec!r}: module {module_name!r} has no attribute {factory_name!r}")
