@@ -71,6 +71,10 @@ PERMANENT = {
     grpc.StatusCode.FAILED_PRECONDITION,
     grpc.StatusCode.UNIMPLEMENTED,
 }
+# A TLS handshake that fails (the coordinator's certificate is not signed by connect.ca_cert,
+# does not name connect.tls_server_name, or the coordinator speaks plain text) fails the same
+# way every time: gRPC reports it as UNAVAILABLE, which is otherwise worth retrying.
+TLS_FAILURES = ("handshake failed", "verification check failed")
 
 
 def step_work_bytes(replica: Replica) -> int:
@@ -522,6 +526,12 @@ async def _take_part(site: Site, insecure: bool) -> SiteSummary:
         except grpc.RpcError as exc:
             if exc.code() in PERMANENT:
                 raise SiteRefused(f"site {config.site_id} refused by {connect.server}: {one_line(exc.details() or '', REASON_CHARS)}") from None
+            if any(failure in (exc.details() or "").lower() for failure in TLS_FAILURES):
+                raise SiteRefused(
+                    f"site {config.site_id}: the TLS handshake with {connect.server} failed "
+                    f"({one_line(exc.details() or '', REASON_CHARS)}); check that connect.ca_cert is the CA that signed the "
+                    "coordinator's certificate and connect.tls_server_name a name in it"
+                ) from None
             reason = f"{exc.code().name}: {one_line(exc.details() or '', REASON_CHARS)}"
         except StateLost as exc:
             reason = str(exc)

@@ -26,12 +26,15 @@ def tls_server(tmp_path_factory):
     yield tmp, certs, server
 
 
-def test_site_with_an_untrusted_ca_cannot_connect(tls_server, tmp_path):
-    tmp, _, server = tls_server
-    other_ca = make_dev_certs(tmp_path / "other")["ca.pem"]
-    config = site_config(tmp, "mallory", server.endpoint, 0, 1, connect={"ca_cert": str(other_ca), "max_attempts": 2})
-    with pytest.raises(GaveUp, match="unreachable 2 times"):
-        run_site(config)
+@pytest.mark.parametrize("wrong", ["ca_cert", "tls_server_name"])
+def test_site_with_an_untrusted_ca_or_name_stops_at_once_saying_so(tls_server, tmp_path, wrong):
+    """A certificate that does not verify fails the same way every time: no retries."""
+    tmp, certs, server = tls_server
+    connect = {"ca_cert": str(certs["ca.pem"]), "tls_server_name": "coordinator", "max_attempts": 5,
+               "backoff_initial_s": 30}  # a retry would take the test past its timeout
+    connect[wrong] = str(make_dev_certs(tmp_path / "other")["ca.pem"]) if wrong == "ca_cert" else "elsewhere"
+    with pytest.raises(SiteRefused, match="TLS handshake with .* failed .* check that connect.ca_cert"):
+        run_site(site_config(tmp, "mallory", server.endpoint, 0, 1, connect=connect))
 
 
 def test_plain_text_site_cannot_talk_to_a_tls_server(tls_server):
