@@ -41,7 +41,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
 
 from .base import Factors, LocalResult
 from .layout import CapturedLayer, Layout
@@ -123,6 +122,18 @@ VALUE_FREE = frozenset({
 })
 
 
+def _reads(ids: set[int], values) -> bool:
+    """Whether any of ``values``, or of the items of those that are tuples or lists (``torch.cat``'s), is in ``ids``."""
+    for value in values:
+        if id(value) in ids:
+            return True
+        if type(value) in (tuple, list):
+            for item in value:
+                if id(item) in ids:
+                    return True
+    return False
+
+
 def _storage(tensor: torch.Tensor) -> int | None:
     """The address of a tensor's storage (shared by its views); None where it has none (sparse)."""
     try:
@@ -153,8 +164,12 @@ class CallRecorder(TorchFunctionMode):
     ):
         super().__init__()
         self.params = params  # id(parameter) -> (canonical name, parameter)
-        self.raw_storages = {_storage(t) for t in raw_inputs if torch.is_tensor(t)} - {None, 0}
-        self._raw_kept: list[torch.Tensor] = []
+        # Raw input and what is computed from it (``_follow_raw``): by object, checked on every
+        # call, and by storage, checked on captured calls only (a tensor sharing raw memory that
+        # no call made, such as ``x.data``).
+        self._raw: list[torch.Tensor] = [t for t in raw_inputs if torch.is_tensor(t)]  # kept alive: ids stay theirs
+        self.raw_ids = {id(t) for t in self._raw}
+        self.raw_storages = {_storage(t) for t in self._raw} - {None, 0}
         self.calls: dict[str, list[Call]] = {}
         self.refused: dict[str, str] = {}
         self.uses: dict[str, set[str]] = {}
@@ -271,13 +286,13 @@ class CallRecorder(TorchFunctionMode):
         scaling, a cast, a selection of columns) is raw input too: a layer reading it reads the
         patient data transformed, often invertibly (BatchNorm's output and its running
         statistics give back the rows). Only a captured call's output (a learned mixing) is not."""
-        if not any(_storage(t) in self.raw_storages for t in tree_leaves((args, kwargs)) if torch.is_tensor(t)):
+        if not _reads(self.raw_ids, args) and not (kwargs and _reads(self.raw_ids, kwargs.values())):
             return
-        for result in tree_leaves(out):
-            pointer = _storage(result) if torch.is_tensor(result) else None
-            if pointer:
-                self.raw_storages.add(pointer)
-                self._raw_kept.append(result)  # alive while recording: no later tensor reuses its address
+        for result in out if isinstance(out, (tuple, list)) else (out,):
+            if torch.is_tensor(result) and id(result) not in self.raw_ids:
+                self._raw.append(result)
+                self.raw_ids.add(id(result))
+                self.raw_storages.add(_storage(result))
 
     def _note_uses(self, func, args: tuple, kwargs: dict, out) -> None:
         sources = {}  # parameter -> the function that made the view it is read through (None: direct)
@@ -342,7 +357,7 @@ class CallRecorder(TorchFunctionMode):
         elif x.dtype != weight.dtype or out.dtype != weight.dtype:
             self.refused[name] = f"a {kind} call computes in {out.dtype} while the weight is {weight.dtype} (autocast)"
             return True
-        raw = _storage(x) in self.raw_storages
+        raw = id(x) in self.raw_ids or _storage(x) in self.raw_storages
         lead = int(x.shape[0]) if x.dim() >= (2 if kind in ("linear", LOOKUP) else {"conv1d": 3, "conv2d": 4}[kind]) else None
         if kind == LOOKUP:
             padding = bound["padding_idx"]
