@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,7 @@ from .execute import cell_paths, finished_as_now
 from .matrix import Cell, WorkloadSetting
 
 TARGET_TOLERANCE = 0.005  # 0.5 point of accuracy
+UNRECORDED_MACHINE = "not recorded"  # runs written before cells recorded their machine
 FAMILIES = {"rank-dAD": "rankdad", "PowerSGD": "powersgd"}
 
 
@@ -168,32 +169,48 @@ def apply_target(stats: StrategyStats, runs: list[Run], target: float) -> None:
 # ------------------------------------------------------------------------ dominance
 
 
-def envelope(curves: list[tuple[list[float], list[float]]]) -> list[tuple[float, float]]:
-    """(budget, best metric reached within it) at every evaluated budget, ascending."""
-    points = sorted((b, m) for bytes_, metric in curves for b, m in zip(bytes_, metric))
-    best, out = -math.inf, []
-    for budget, value in points:
-        best = max(best, value)
-        out.append((budget, best))
+Curve = tuple[list[float], list[float], list[float]]  # cumulative bytes, seed-mean metric, its standard error
+
+
+def envelope(curves: list[Curve]) -> list[tuple[float, float, float]]:
+    """(budget, best metric reached within it, that metric's standard error) at every evaluated
+    budget, ascending."""
+    points = sorted((b, m, e) for bytes_, metric, errors in curves for b, m, e in zip(bytes_, metric, errors))
+    best, error, out = -math.inf, 0.0, []
+    for budget, value, value_error in points:
+        if value > best:
+            best, error = value, value_error
+        out.append((budget, best, error))
     return out
 
 
-def best_within(env: list[tuple[float, float]], budget: float) -> float:
-    best = -math.inf
-    for point, value in env:
+def best_within(env: list[tuple[float, float, float]], budget: float) -> tuple[float, float]:
+    best = (-math.inf, 0.0)
+    for point, value, error in env:
         if point > budget:
             break
-        best = value
+        best = (value, error)
     return best
 
 
-def dominance(ours: list[tuple[list[float], list[float]]], theirs: list[tuple[list[float], list[float]]]) -> dict:
+def dominance(ours: list[Curve], theirs: list[Curve]) -> dict:
+    """Whether our envelope is ≥ theirs at every budget (``dominates``), and how far theirs
+    leads where it does, in standard errors of the difference of the two seed means
+    (``largest_lead_se``: 0 when it never leads, ∞ before our first evaluation or where
+    neither mean varies over seeds); ``within_noise``: it never leads by more than one."""
     a, b = envelope(ours), envelope(theirs)
     if not a or not b:
-        return {"dominates": None, "fraction": None, "worst_gap": None, "budgets": 0}
+        return {"dominates": None, "fraction": None, "worst_gap": None, "budgets": 0, "largest_lead_se": None,
+                "within_noise": None}
     high = min(a[-1][0], b[-1][0])
-    budgets = sorted({point for point, _ in a + b if point <= high})
-    gaps = [best_within(a, budget) - best_within(b, budget) for budget in budgets]
+    budgets = sorted({point for point, _, _ in a + b if point <= high})
+    gaps, leads = [], [0.0]
+    for budget in budgets:
+        (value_a, error_a), (value_b, error_b) = best_within(a, budget), best_within(b, budget)
+        gaps.append(value_a - value_b)
+        if value_a < value_b:
+            error = math.hypot(error_a, error_b)
+            leads.append((value_b - value_a) / error if error > 0 and math.isfinite(value_a) else math.inf)
     finite = [gap for gap in gaps if math.isfinite(gap)]
     return {
         "dominates": all(gap >= 0 for gap in gaps),
@@ -201,12 +218,14 @@ def dominance(ours: list[tuple[list[float], list[float]]], theirs: list[tuple[li
         "worst_gap": min(finite) if finite else None,
         "budgets": len(budgets),
         "range": [budgets[0], high],
+        "largest_lead_se": max(leads),
+        "within_noise": max(leads) <= 1.0,
     }
 
 
-def family_curves(strategies: dict[str, StrategyStats], name: str, **options) -> list[tuple[list[float], list[float]]]:
+def family_curves(strategies: dict[str, StrategyStats], name: str, **options) -> list[Curve]:
     return [
-        (s.curve_bytes, s.curve_metric)
+        (s.curve_bytes, s.curve_metric, [std / math.sqrt(s.seeds) for std in s.curve_metric_std])
         for s in strategies.values()
         if s.name == name and all(s.options.get(k) == v for k, v in options.items())
     ]
@@ -257,6 +276,9 @@ def analyse(out: Path, settings: list[WorkloadSetting], cells: list[Cell], size_
     by_key = {setting.key: setting for setting in settings}
     cell_seconds = sum(run.summary["wall_seconds"] for runs in by_group.values() for group in runs.values() for run in group)
     cell_count = sum(len(group) for runs in by_group.values() for group in runs.values())
+    machines = Counter(
+        run.summary.get("machine", UNRECORDED_MACHINE) for runs in by_group.values() for group in runs.values() for run in group
+    )
     trips_cache: dict[tuple[str, str], int] = {}
     groups = {}
     for group, labelled in sorted(by_group.items()):
@@ -307,7 +329,7 @@ def analyse(out: Path, settings: list[WorkloadSetting], cells: list[Cell], size_
     failed = sorted(cell.name for cell in cells if cell_paths(out, cell)[0].with_suffix(".failed").exists())
     return {
         "groups": groups, "costs": costs, "sizes": sizes, "failed": failed, "settings": [asdict(s) for s in settings],
-        "cells": cell_count, "cell_seconds": cell_seconds,
+        "cells": cell_count, "cell_seconds": cell_seconds, "machines": dict(machines.most_common()),
     }
 
 

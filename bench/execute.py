@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import platform
 import time
 import traceback
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -51,6 +52,24 @@ def simulation_config(cell: Cell) -> SimulationConfig:
     )
 
 
+def machine() -> str:
+    """The CPU and torch build a cell ran on: float kernels (AVX2 or AVX-512, say) round
+    differently, so an approximate strategy's run repeats bit for bit on the same kind of
+    machine but can follow another trajectory on a different one."""
+    model = next(
+        (line.split(":", 1)[1].strip() for line in _cpuinfo().splitlines() if line.startswith("model name")),
+        platform.processor() or platform.machine(),
+    )
+    return f"{model}, {torch.backends.cpu.get_cpu_capability()} kernels, torch {torch.__version__}"
+
+
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
 def run_cell(cell: Cell, out: Path) -> tuple[float, bool]:
     """Train one cell; return its wall-clock seconds and whether it finished. A failure is written to
     ``<cell name>.failed`` (the report lists it) and the suite goes on."""
@@ -76,6 +95,7 @@ def run_cell(cell: Cell, out: Path) -> tuple[float, bool]:
             "eval_every": cell.setting.eval_every,
             "spec": cell.strategy.model_dump(),
             "wall_seconds": time.perf_counter() - start,
+            "machine": machine(),
         }
     )
     summary_path.write_text(json.dumps(summary, indent=1))

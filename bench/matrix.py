@@ -224,6 +224,16 @@ RANKDAD_EF: list[WorkloadSetting] = [
                     **_EF_GRID),
 ]
 
+# ``--preset dominance``: target (b) measured finer than the full matrix does it (two seeds,
+# an evaluation every 10 steps, where a single held-out sample or the byte position of an
+# evaluation decides the verdict): the full matrix's four dominance workloads at 4 sites, IID,
+# with eight seeds and an evaluation every 5 steps; dSGD, rank-dAD and PowerSGD only.
+DOMINANCE_SEEDS = tuple(range(8))
+DOMINANCE: list[WorkloadSetting] = [
+    replace(setting, sites=(4,), partitions=("iid",), seeds=DOMINANCE_SEEDS, eval_every=5, ablation=False)
+    for setting in FULL if setting.purpose == "matrix"
+]
+
 # The setting the real-links and compute benchmarks run on: ≥1M parameters, rank-dAD's ≥100× target.
 WIDE = next(setting for setting in RANKDAD_EF if setting.key == "digits-mlp-wide")
 

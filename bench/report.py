@@ -19,7 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from dadfl.report import human_bytes  # noqa: E402
 
-from .analysis import TARGET_TOLERANCE  # noqa: E402
+from .analysis import TARGET_TOLERANCE, UNRECORDED_MACHINE  # noqa: E402
 
 TARGET_RATIO = 100
 DOMINANCE_NEEDED = 3
@@ -214,8 +214,10 @@ def rank_for_rank_rows(results: dict, settings: list[dict]) -> tuple[list[str], 
     return header, rows
 
 
-def dominance_rows(results: dict, settings: list[dict]) -> tuple[list[list[str]], int, int]:
-    rows, wins, judged = [], 0, 0
+def dominance_rows(results: dict, settings: list[dict]) -> tuple[list[list[str]], int, int, int]:
+    """The target (b) table's rows; how many workloads rank-dAD dominates, how many were judged,
+    and on how many PowerSGD's envelope never leads by more than one standard error."""
+    rows, wins, judged, within_noise = [], 0, 0, 0
     for setting in settings:
         if setting["purpose"] != "matrix":
             continue
@@ -227,17 +229,20 @@ def dominance_rows(results: dict, settings: list[dict]) -> tuple[list[list[str]]
             continue
         judged += 1
         wins += bool(family["dominates"])
+        within_noise += bool(family["within_noise"])
         all_groups = [g for g in results["groups"].values() if g["setting"] == setting["key"]]
         everywhere = sum(bool(g["dominance"]["family"]["dominates"]) for g in all_groups)
         same_rank = [k for k, v in group["dominance"].items() if k != "family" and v["dominates"]]
         trips = {s["name"]: s["round_trips"] for s in group["strategies"].values()}
+        lead = family["largest_lead_se"]
         rows.append([
             setting["key"], "**yes**" if family["dominates"] else "no", f"{100 * family['fraction']:.0f}%",
             f"{100 * family['worst_gap']:+.1f}" if family["worst_gap"] is not None else "–",
+            "∞" if math.isinf(lead) else f"{lead:.2f}", "**yes**" if family["within_noise"] else "no",
             f"{everywhere}/{len(all_groups)}", ", ".join(same_rank) or "none",
             f"{trips.get('rankdad', '–')} vs {trips.get('powersgd', '–')}",
         ])
-    return rows, wins, judged
+    return rows, wins, judged, within_noise
 
 
 def sweep_rows(results: dict, setting: str) -> tuple[list[str], list[list[str]], list[list[str]]]:
@@ -283,7 +288,7 @@ def cost_rows(results: dict, settings: list[dict]) -> list[list[str]]:
 def summary_lines(results: dict, settings: list[dict], links: dict | None, peers: dict | None) -> list[str]:
     """The verdicts, each computed from the tables below."""
     _, met_a = target_a_rows(results, settings)
-    _, wins, judged = dominance_rows(results, settings)
+    _, wins, judged, within_noise = dominance_rows(results, settings)
     versus = versus_powersgd(results, settings)
     lines = ["## Summary", ""]
     if versus:
@@ -298,8 +303,9 @@ def summary_lines(results: dict, settings: list[dict], links: dict | None, peers
         lines.append(f"- Target (a), {key}: rank-dAD ≥100× fewer bytes to dSGD's final metric — "
                      f"{'**met**' if ok else 'not met'}: {measured}.")
     lines.append(f"- Target (b): rank-dAD's metric-vs-bytes curve dominates PowerSGD's on {wins} of {judged} workloads "
-                 f"(≥3 needed) — {'**met**' if wins >= DOMINANCE_NEEDED else 'not met'}; rank-dAD takes 1 round trip per"
-                 " step, PowerSGD 2.")
+                 f"(≥3 needed) — {'**met**' if wins >= DOMINANCE_NEEDED else 'not met'}; PowerSGD's envelope leads by"
+                 f" no more than one standard error at any budget on {within_noise} of {judged}; rank-dAD takes 1 round"
+                 " trip per step, PowerSGD 2.")
     if links and "skipped" not in links:
         slow = next(name for name in links["rates"] if name != "unshaped")
         over = [run[rate]["over_bound"] for run in links["strategies"].values() for rate in links["rates"] if rate != "unshaped"]
@@ -323,6 +329,23 @@ def summary_lines(results: dict, settings: list[dict], links: dict | None, peers
 
 
 RUNTIME_PAGE = "runtime.md"  # hand-written beside the generated page
+
+
+def machine_lines(machines: dict[str, int]) -> list[str]:
+    """Which CPU and torch build the runs ran on. An approximate strategy's run repeats bit for bit
+    on the same kind of machine; where the float kernels differ, so can its trajectory."""
+    if not machines:
+        return []
+    if set(machines) == {UNRECORDED_MACHINE}:
+        return ["The runs did not record which machine they ran on.", ""]
+    if len(machines) == 1:
+        return [f"Every run ran on: {next(iter(machines))}.", ""]
+    kinds = "; ".join(f"{name} ({count} runs)" for name, count in machines.items())
+    return [
+        f"The runs ran on {len(machines)} kinds of machine: {kinds}. Rounding differs between float kernels, so the"
+        " approximate strategies' figures from different kinds are not bit-comparable.",
+        "",
+    ]
 
 
 def write_report(
@@ -360,6 +383,7 @@ def write_report(
         + (f"; the last invocation took {wall_minutes:.0f} minutes of wall time." if wall_minutes is not None else "."),
         "",
     ]
+    lines += machine_lines(results.get("machines", {}))
     lines += [
         "## What is measured",
         "",
@@ -382,6 +406,10 @@ def write_report(
         "  budget B from the smallest evaluated budget of either family to the largest budget both reached (the",
         "  envelopes are step functions, so checking every evaluated budget is exact). Also shown: the share of budgets",
         "  where it holds, the worst gap in points, and rank-by-rank comparisons (each rank-dAD r against PowerSGD r).",
+        "  Where PowerSGD's envelope leads, its lead is also measured in standard errors of the difference of the two",
+        "  seed means (√(s_a² + s_b²), each s the standard deviation over seeds of the configuration that sets the",
+        "  envelope there, over √seeds): *within one s.e.* says it never leads by more than one, a lead the seeds",
+        "  cannot tell from noise (∞: before rank-dAD's first evaluation). The verdict on the target is the strict one.",
         "- **round trips**: server exchanges per step, counted by running one step.",
     ]
     if any(s["catch_up"] > 1 for s in settings):
@@ -490,16 +518,18 @@ def write_report(
           times(z['bound_rank_zero'])] for z in results["sizes"]],
     )
 
-    rows, wins, judged = dominance_rows(results, settings)
+    rows, wins, judged, within_noise = dominance_rows(results, settings)
     verdict = "**met**" if wins >= DOMINANCE_NEEDED else "not met"
     lines += [
         "## Target (b): rank-dAD's metric-vs-bytes curve dominates PowerSGD's on ≥3 of 4 workloads",
         "",
         f"Judged on each workload's 4-site IID group (definition above): rank-dAD dominates on {wins} of {judged}"
-        f" workloads — {verdict}. *groups* counts the groups (sites × split) of the workload where it dominates.",
+        f" workloads — {verdict}. PowerSGD's envelope leads by no more than one standard error at any budget on"
+        f" {within_noise} of {judged}. *groups* counts the groups (sites × split) of the workload where it dominates.",
         "",
     ]
-    lines += table(["workload", "dominates", "budgets where ≥", "worst gap (points)", "groups", "same-rank pairs dominating",
+    lines += table(["workload", "dominates", "budgets where ≥", "worst gap (points)", "PowerSGD's largest lead (s.e.)",
+                    "within one s.e.", "groups", "same-rank pairs dominating",
                     "round trips / step (rank-dAD vs PowerSGD)"], rows)
     lines += [
         "What differs between the two by construction (see `strategies/rankdad.py` and `strategies/powersgd.py`):",

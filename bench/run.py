@@ -32,6 +32,7 @@ PRESETS = {
     "smoke": (matrix.SMOKE, matrix.SMOKE_RANKS, True, SMOKE_OUT, None),
     "full": (matrix.FULL, matrix.RANKS, True, FULL_OUT, DOCS),
     "rankdad-ef": (matrix.RANKDAD_EF, matrix.EF_RANKS, False, Path("bench/results/rankdad-ef"), DOCS / "rankdad-ef"),
+    "dominance": (matrix.DOMINANCE, matrix.RANKS, False, Path("bench/results/dominance"), DOCS / "dominance"),
 }
 LINKS, PEERS = "links.json", "peers.json"
 

@@ -249,3 +249,50 @@ def test_compute_benchmark_takes_one_site_and_stays_bit_identical():
     assert run(spec, steps=3, warmup=0, sites_count=1)["fingerprint"] == one["fingerprint"]
     assert one["fingerprint"] != run(spec, steps=3, warmup=0, sites_count=4)["fingerprint"]
     assert set(one) == {"strategy", "local_ms", "site_ms", "server_ms", "decode_ms", "apply_ms", "step_ms", "fingerprint"}
+
+
+def test_dominance_measures_where_powersgd_leads_in_standard_errors():
+    """Envelopes over (bytes, seed-mean metric, its standard error): a lead of PowerSGD's within one
+    standard error of the difference is noise; a larger one, or one before rank-dAD's first
+    evaluation, is not. The strict verdict is unchanged by it."""
+    from bench.analysis import dominance
+
+    ours = [([1.0, 2.0, 3.0], [0.50, 0.70, 0.90], [0.05, 0.05, 0.05])]
+    assert dominance(ours, [([1.0, 2.0, 3.0], [0.40, 0.60, 0.80], [0.05, 0.05, 0.05])]) | {"range": None} == {
+        "dominates": True, "fraction": 1.0, "worst_gap": pytest.approx(0.1), "budgets": 3, "range": None,
+        "largest_lead_se": 0.0, "within_noise": True,
+    }
+    # PowerSGD ahead by 0.02 at budget 2, s.e. 0.05 each: 0.02 / √(0.05² + 0.05²) = 0.28 standard errors.
+    close = dominance(ours, [([1.0, 2.0, 3.0], [0.40, 0.72, 0.80], [0.05, 0.05, 0.05])])
+    assert not close["dominates"] and close["within_noise"]
+    assert close["largest_lead_se"] == pytest.approx(0.02 / math.hypot(0.05, 0.05))
+    # Two rank-dAD configurations: the envelope takes the best within each budget, with its own s.e.
+    two = [([1.0, 3.0], [0.50, 0.90], [0.05, 0.05]), ([2.0], [0.80], [0.001])]
+    far = dominance(two, [([2.0], [0.85], [0.001])])
+    assert not far["within_noise"] and far["largest_lead_se"] == pytest.approx(0.05 / math.hypot(0.001, 0.001))
+    early = dominance([([2.0], [0.9], [0.0])], [([1.0, 2.0], [0.3, 0.8], [0.1, 0.1])])
+    assert not early["dominates"] and math.isinf(early["largest_lead_se"]) and not early["within_noise"]
+
+
+def test_the_report_says_which_machines_the_runs_ran_on(suite):
+    """Every cell records its CPU and torch build; the report names it, and warns when runs of
+    different kinds are mixed (approximate strategies round differently on each)."""
+    from bench.execute import machine
+    from bench.report import machine_lines
+
+    out, results = suite
+    assert results["machines"] == {machine(): results["cells"]}
+    report = (out / "benchmarks.md").read_text()
+    assert f"Every run ran on: {machine()}." in report
+    mixed = " ".join(machine_lines({"CPU A, AVX512 kernels, torch 2.13.0": 3, "not recorded": 2}))
+    assert "2 kinds of machine" in mixed and "not bit-comparable" in mixed
+
+
+def test_the_dominance_table_shows_powersgds_lead_in_standard_errors(suite):
+    out, results = suite
+    group, _ = strategies(results)
+    family = group["dominance"]["family"]
+    lead = "∞" if math.isinf(family["largest_lead_se"]) else f"{family['largest_lead_se']:.2f}"
+    report = (out / "benchmarks.md").read_text()
+    row = next(line for line in report.splitlines() if line.startswith(f"| {group['setting']} | ") and " vs " in line)
+    assert f"| {lead} | {'**yes**' if family['within_noise'] else 'no'} |" in row, row
