@@ -134,10 +134,11 @@ def held_out_source(config: SiteConfig, source: str) -> str:
 
 def read_csv(path: Path, target_column: str, field: str) -> Split:
     """Features as float32, the ``target_column`` as int64 class labels. Read as spreadsheets
-    export it: quoted fields, a UTF-8 byte-order mark, blank lines at the end. A problem names
-    its line and column, never a value."""
+    export it: quoted fields, a UTF-8 byte-order mark, blank lines. A problem names its line
+    and column, never a value."""
     with open(path, newline="", encoding="utf-8-sig") as file:
-        lines = [(number, row) for number, row in enumerate(csv.reader(file), start=1) if row]
+        reader = csv.reader(file)
+        lines = [(reader.line_num, row) for row in reader if row]  # line_num: where the row ends
     header = [name.strip() for name in lines[0][1]] if lines else []
     if target_column not in header:
         raise DataMismatch(f"{field} {path}: no column {target_column!r} in the header ({len(header)} columns); set data.target_column")

@@ -529,8 +529,8 @@ async def _take_part(site: Site, insecure: bool) -> SiteSummary:
             if any(failure in (exc.details() or "").lower() for failure in TLS_FAILURES):
                 raise SiteRefused(
                     f"site {config.site_id}: the TLS handshake with {connect.server} failed "
-                    f"({one_line(exc.details() or '', REASON_CHARS)}); check that connect.ca_cert is the CA that signed the "
-                    "coordinator's certificate and connect.tls_server_name a name in it"
+                    f"({one_line(exc.details() or '', REASON_CHARS)}); check that the coordinator serves TLS, that connect.ca_cert "
+                    "is the CA that signed its certificate and connect.tls_server_name a name in it"
                 ) from None
             reason = f"{exc.code().name}: {one_line(exc.details() or '', REASON_CHARS)}"
         except StateLost as exc:

@@ -292,7 +292,9 @@ class CallRecorder(TorchFunctionMode):
             if torch.is_tensor(result) and id(result) not in self.raw_ids:
                 self._raw.append(result)
                 self.raw_ids.add(id(result))
-                self.raw_storages.add(_storage(result))
+                pointer = _storage(result)
+                if pointer:  # not sparse, not empty
+                    self.raw_storages.add(pointer)
 
     def _note_uses(self, func, args: tuple, kwargs: dict, out) -> None:
         sources = {}  # parameter -> the function that made the view it is read through (None: direct)

@@ -33,7 +33,7 @@ def test_site_with_an_untrusted_ca_or_name_stops_at_once_saying_so(tls_server, t
     connect = {"ca_cert": str(certs["ca.pem"]), "tls_server_name": "coordinator", "max_attempts": 5,
                "backoff_initial_s": 30}  # a retry would take the test past its timeout
     connect[wrong] = str(make_dev_certs(tmp_path / "other")["ca.pem"]) if wrong == "ca_cert" else "elsewhere"
-    with pytest.raises(SiteRefused, match="TLS handshake with .* failed .* check that connect.ca_cert"):
+    with pytest.raises(SiteRefused, match="TLS handshake with .* failed .* check that the coordinator serves TLS, that connect.ca_cert"):
         run_site(site_config(tmp, "mallory", server.endpoint, 0, 1, connect=connect))
 
 
