@@ -10,6 +10,7 @@ torch thread: on a shared machine, ``--jobs`` is the number of cores the suite t
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing
 import platform
@@ -52,6 +53,7 @@ def simulation_config(cell: Cell) -> SimulationConfig:
     )
 
 
+@functools.cache  # one machine per worker process: read /proc/cpuinfo once, not per cell
 def machine() -> str:
     """The CPU and torch build a cell ran on: float kernels (AVX2 or AVX-512, say) round
     differently, so an approximate strategy's run repeats bit for bit on the same kind of

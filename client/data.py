@@ -20,6 +20,7 @@ seeded share of the training Dataset, which training then never sees.
 from __future__ import annotations
 
 import csv
+import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, Subset
 
+from dadfl.sanitize import printable
 from dadfl.workloads import Split, SplitDataset, StepBatches, Workload, partition
 from dadfl.workloads.base import import_user_module
 
@@ -137,24 +139,20 @@ def read_csv(path: Path, target_column: str, field: str) -> Split:
     export it: quoted fields, a UTF-8 byte-order mark, blank lines. A problem names its line
     and column, never a value."""
     with open(path, newline="", encoding="utf-8-sig") as file:
-        reader = csv.reader(file)
-        lines = [(reader.line_num, row) for row in reader if row]  # line_num: where the row ends
-    header = [name.strip() for name in lines[0][1]] if lines else []
-    if target_column not in header:
-        raise DataMismatch(f"{field} {path}: no column {target_column!r} in the header ({len(header)} columns); set data.target_column")
-    rows = lines[1:]
-    for number, row in rows:
-        if len(row) != len(header):
-            raise DataMismatch(
-                f"{field} {path}: line {number} has {len(row)} values against {len(header)} header columns: every row "
-                "must have one value per header column"
-            )
-    if not rows:
-        raise DataMismatch(f"{field} {path}: no rows after the header: every row must have one value per header column, and there must be rows")
-    try:
-        table = np.asarray([row for _, row in rows], dtype=np.float64)
-    except ValueError:  # numpy's message quotes the value: find the cell, and name only where it is
-        raise DataMismatch(f"{field} {path}: {_first_non_number(rows, header)}") from None
+        header = [name.strip() for name in next(csv.reader([file.readline()]), [])]
+        if target_column not in header:
+            raise DataMismatch(f"{field} {path}: no column {target_column!r} in the header ({len(header)} columns); set data.target_column")
+        try:
+            with warnings.catch_warnings():  # no rows: the check below says so, in the site's words
+                warnings.filterwarnings("ignore", message="loadtxt: input contained no data", category=UserWarning)
+                table = np.loadtxt(file, delimiter=",", quotechar='"', dtype=np.float64, ndmin=2)
+        except ValueError:  # numpy's message quotes the value: find the cell again, and name only where it is
+            raise DataMismatch(f"{field} {path}: {_unreadable(path, header)}") from None
+    if table.shape[0] == 0 or table.shape[1] != len(header):
+        raise DataMismatch(
+            f"{field} {path}: {table.shape[1]} values per row and {table.shape[0]} rows, against {len(header)} header "
+            "columns: every row must have one value per header column, and there must be rows"
+        )
     target = header.index(target_column)
     labels = table[:, target]
     if not np.array_equal(labels, np.round(labels)):
@@ -163,15 +161,26 @@ def read_csv(path: Path, target_column: str, field: str) -> Split:
     return Split(torch.from_numpy(features), torch.from_numpy(labels.astype(np.int64)))
 
 
-def _first_non_number(rows: list[tuple[int, list[str]]], header: list[str]) -> str:
-    for number, row in rows:
-        for name, value in zip(header, row):
-            if not value.strip():
-                return f"line {number}, column {name!r} is empty: fill in or drop rows with missing values"
-            try:
-                float(value)
-            except ValueError:
-                return f"line {number}, column {name!r} is not a number: every value after the header must be a number"
+def _unreadable(path: Path, header: list[str]) -> str:
+    """Where a CSV that numpy could not read goes wrong: the first row of another width, or the
+    first empty or non-numeric cell, by line and column (read again row by row: only on failure)."""
+    with open(path, newline="", encoding="utf-8-sig") as file:
+        reader = csv.reader(file)
+        next(reader, None)
+        for row in reader:
+            if not row:
+                continue
+            if len(row) != len(header):
+                return (f"line {reader.line_num} has {len(row)} values against {len(header)} header columns: every row "
+                        "must have one value per header column")
+            for name, value in zip(header, row):
+                if not value.strip():
+                    return f"line {reader.line_num}, column {printable(name)} is empty: fill in or drop rows with missing values"
+                try:
+                    float(value)
+                except ValueError:
+                    return (f"line {reader.line_num}, column {printable(name)} is not a number: every value after the "
+                            "header must be a number")
     return "every value after the header must be a number"
 
 
