@@ -13,6 +13,7 @@ parameters of the run's [dp] are checked, and its ε recomputed, here too.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass
@@ -26,7 +27,8 @@ from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.protos.codec import CODECS
 from dadfl.options import strategy_options, validation_summary
 from dadfl.privacy import SitePrivacy, check_dp_strategy
-from dadfl.replica import OptimizerConfig
+from dadfl.model_identity import PROBE_TOLERANCE, layout_difference, probe_distance
+from dadfl.replica import OptimizerConfig, Replica
 from dadfl.sanitize import printable
 from dadfl.strategies import STRATEGIES, Strategy, make_strategy
 from dadfl.workloads import BUILTIN, Workload, load_workload
@@ -37,6 +39,8 @@ MAX_OPTIONS_CHARS = 64 << 10  # one JSON field of the run config
 MAX_OPTIONS_DEPTH = 4  # nesting of option values (a JSON bomb nests thousands deep)
 MAX_SPEC_CHARS = 256
 MIN_CHUNK_BYTES = 1024
+log = logging.getLogger("dadfl.site")
+
 RUN_ID = r"^[A-Za-z0-9_-]{1,64}$"
 FINGERPRINT = r"^[0-9a-f]{1,128}$"
 
@@ -196,6 +200,28 @@ def build_workload(run: CheckedRun, limits: RunLimits, search_path: Sequence[Pat
             f"above limits.max_parameters = {limits.max_parameters:,} in the site config"
         )
     return workload
+
+
+def check_same_model(config: cpb.RunConfig, replica: Replica) -> None:
+    """Refuse a run whose model this site builds differently from the coordinator: another
+    layout (naming what this site has that the coordinator's lacks), or another function
+    (``dadfl/model_identity.py``). Both mean different model code on the two sides."""
+    layout = replica.layout
+    if layout.fingerprint() != config.layout_fingerprint:
+        raise RunRefused(
+            f"this site's model differs from the coordinator's in its layout: {layout_difference(layout.lines(), config.layout_line_hashes)}; "
+            "site and coordinator must run the same dadfl, torch and workload code"
+        )
+    if not replica.model_probe or not config.model_probe:
+        log.info("the model's output is not probed (no finite floating output): only its layout is checked against the coordinator's")
+        return
+    distance = probe_distance(replica.model_probe, config.model_probe)
+    if not distance <= PROBE_TOLERANCE:  # NaN from the wire fails too
+        raise RunRefused(
+            f"this site's model computes a different function from the coordinator's: given the same seeded weights and input, "
+            f"their outputs differ by {distance:.3g} (relative; another machine's rounding stays below {PROBE_TOLERANCE:g}), so "
+            "the model code differs (a changed activation or operation?); site and coordinator must run the same workload code"
+        )
 
 
 def count_parameters(workload: Workload) -> int:

@@ -53,7 +53,7 @@ from .data import data_source, held_out_source, load_site_batches, read_data_fil
 from .data_checks import CheckedBatches, check_batches, check_dataset
 from .half_states import HalfStates
 from .privacy_ledger import BudgetSpent, PrivacyLedger, RunReleases
-from .run_checks import PrivateRefusal, RunRefused, build_workload, check_run_config
+from .run_checks import PrivateRefusal, RunRefused, build_workload, check_run_config, check_same_model
 
 log = logging.getLogger("dadfl.site")
 
@@ -355,6 +355,7 @@ class Site:
             workload, checked.strategy, checked.optimizer, resolve_device(self.config.device),
             max_grad_norm=privacy.max_grad_norm if privacy else None,
         )
+        check_same_model(config, replica)
         batches, held_out = load_site_batches(self.config, workload, config.batch_size, replica.device, self.data_file)
         source = data_source(self.config, workload)
         poisson, releases = None, None

@@ -22,6 +22,7 @@ from dadfl.strategies.privacy import ClipPlan, clipped_local_step
 from dadfl.workloads import Split, Workload
 
 from .config import StrictModel
+from .model_identity import model_probe
 
 
 class OptimizerConfig(StrictModel):
@@ -60,10 +61,11 @@ class Replica:
 
     def __post_init__(self) -> None:
         self.model = self.workload.build_model().to(self.device)
+        example = self.workload.example().to(self.device)
+        self.model_probe = model_probe(self.model, example)  # before any weights or buffers are loaded
         # FedAvg and DiLoCo apply the round's mean delta with their own outer optimizer.
         outer = self.strategy.outer_optimizer(self.model.parameters())
         self.optimizer = outer if outer is not None else self.optimizer_config.build(self.model.parameters())
-        example = self.workload.example().to(self.device)
         self.layout = Layout.from_model(self.model, example)
         self.half = self.strategy.site(self.layout, self.model)
         self.clip_plan = ClipPlan.verify(self.model, self.layout, example) if self.max_grad_norm is not None else None

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-# 2: one round trip per step (StepNext / SiteMessage.previous_done). A site and a server of
+# 2: one round trip per step (StepNext / SiteMessage.previous_done); 3: the run config carries
+# the model probe and layout line hashes a site checks before joining. A site and a server of
 # different versions are refused at the hello with FAILED_PRECONDITION, naming both.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 def channel_options(chunk_bytes: int) -> list[tuple[str, int]]:

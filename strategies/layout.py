@@ -86,6 +86,15 @@ class Layout:
         """Short hash; site and server must agree on it before exchanging payloads."""
         return hashlib.sha256(repr(self).encode()).hexdigest()[:16]
 
+    def lines(self) -> tuple[str, ...]:
+        """The layout as lines, one per parameter (with its shape), buffer and captured layer: a site
+        whose fingerprint differs from the server's names the lines the server's lacks."""
+        return (
+            tuple(f"parameter {name} of shape {tuple(shape)}" for name, shape in zip(self.params, self.shapes))
+            + tuple(f"buffer {name}" for name in self.buffers)
+            + tuple(f"captured layer {layer!r}" for layer in self.layers)
+        )
+
     @classmethod
     def from_model(cls, model: nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tensor]) -> "Layout":
         """Find and verify the captured layers with one probe step on ``example_inputs``.

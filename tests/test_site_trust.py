@@ -10,7 +10,9 @@ ever reaches the terminal.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -408,6 +410,69 @@ def test_a_site_crash_prints_no_token_and_no_data_value(tmp_path, debug):
     assert token not in result.stderr + result.stdout
     leaked = [s for s in data_value_strings(data) if s in result.stderr + result.stdout]
     assert not leaked, f"data values printed: {leaked[:5]}"
+
+
+OWN_MODEL = """\
+from dataclasses import replace
+
+from torch import nn
+
+from dadfl.workloads.digits import mlp
+
+
+def build(hidden: int = 16):
+    return replace(mlp(hidden=hidden), build_model=lambda: nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10)))
+"""
+
+
+@pytest.mark.parametrize("change, message", [
+    (("nn.ReLU()", "nn.Tanh()"), r"computes a different function from the coordinator's: .* outputs differ by 0\.[0-9]"),
+    (("(64, hidden), nn.ReLU(), nn.Linear(hidden,", "(64, 32), nn.ReLU(), nn.Linear(32,"),
+     r"in its layout: this site has parameter 0\.weight of shape \(32, 64\); parameter 0\.bias"),
+], ids=["function", "shape"])
+def test_a_site_whose_model_file_differs_from_the_coordinators_leaves_saying_how(tmp_path, caplog, change, message):
+    """The same module name, another file at the site: another function with the same shapes
+    (it trained without a word), or another shape (an unnamed fingerprint mismatch)."""
+    module = f"own_model_{tmp_path.name.replace('-', '_')}"  # a name no other test imports in this process
+    for folder, text in (("server", OWN_MODEL), ("site", OWN_MODEL.replace(*change))):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / f"{module}.py").write_text(text)
+    config = server_config(
+        tmp_path, workload={"spec": f"{module}:build", "path": [str(tmp_path / "server")]},
+        federation={"min_sites": 1, "quorum_timeout_s": 30},
+    )
+    caplog.set_level("INFO")
+    server = ServerThread(config).start()
+    token = enroll(tmp_path / "tokens.json", "hospital-a")
+    path = site_toml(tmp_path, server.endpoint, token=token, allowed_workloads=[f"{module}:build"], workload_path=[str(tmp_path / "site")])
+    result = run_site_process(path)
+    assert result.returncode == 2, result.stderr
+    [line] = error_lines(result.stderr)
+    assert re.search(message, line), line
+    left = [r.getMessage() for r in caplog.records if r.name == "dadfl.server" and "hospital-a leaves" in r.getMessage()]
+    assert len(left) == 1 and re.search(message, left[0]), left
+
+
+def test_the_model_probe_from_the_wire_is_checked_and_leaves_the_model_as_it_was():
+    from dadfl.client.run_checks import check_same_model
+    from dadfl.model_identity import PROBE_VALUES, line_hash
+    from dadfl.replica import OptimizerConfig, Replica
+    from dadfl.strategies import make_strategy
+
+    replica = Replica(load_workload("char-gru"), make_strategy("dad"), OptimizerConfig())
+    before = {name: t.clone() for name, t in replica.model.state_dict().items()}
+    assert replica.model.training and len(replica.model_probe) == PROBE_VALUES
+    again = Replica(load_workload("char-gru"), make_strategy("dad"), OptimizerConfig())  # other initial weights, same function
+    assert again.model_probe == replica.model_probe
+    config = cpb.RunConfig(layout_fingerprint=replica.layout.fingerprint(), layout_line_hashes=[line_hash(x) for x in replica.layout.lines()])
+    for probe in (replica.model_probe, []):  # the same, or none (a model without floating output): joins
+        config.model_probe[:] = probe
+        check_same_model(config, again)
+    for probe in (replica.model_probe[:-1], [math.nan] * PROBE_VALUES, [v * 1.05 for v in replica.model_probe]):
+        config.model_probe[:] = probe
+        with pytest.raises(RunRefused, match="computes a different function"):
+            check_same_model(config, again)
+    assert replica.model.training and all(torch.equal(before[name], t) for name, t in replica.model.state_dict().items())
 
 
 # ---------------------------------------------------------------- hostile hellos and garbage at the coordinator

@@ -1,0 +1,112 @@
+"""Does a site run the coordinator's model? Checked by the site before it joins.
+
+The layout fingerprint covers structure: parameter names and shapes, buffers, which
+layers travel as factors. Two models of one structure can still compute different
+functions (the site's copy of the model file has ``tanh`` where the coordinator's has
+``relu``), and then every update the site sends is wrong while every check passes. So the
+run config also carries what the coordinator's model computes, and a site compares its
+own before it loads data:
+
+* the model runs in eval mode on the workload's example (the batch the layout is built
+  from; its floating tensors replaced by seeded normal values, since an example of zeros
+  would hide most of the function; token ids stay), with every parameter replaced by the
+  same seeded values on both sides, not the weights (the site has not loaded the
+  coordinator's yet). Buffers stay as
+  ``build_model`` made them, so a constant table (positions) counts as function; the
+  probe runs on the freshly built model, before a checkpoint can change a buffer;
+* the floating outputs, flattened, are cut into at most ``PROBE_VALUES`` contiguous
+  chunks and each sends its mean: a bounded message whatever the output's size;
+* the two probes must agree within a relative distance of ``PROBE_TOLERANCE``, not
+  exactly: another CPU or a GPU rounds differently (CUDA's TF32 convolutions by about
+  1e-3), where a changed activation moves them by tens of per cent.
+
+It does not see what only training mode does (a dropout rate), a different loss, or a
+change smaller than the tolerance. A model whose output holds no floating tensor, or whose
+probe is not finite, is not probed (an empty probe), and the site says so in its log.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Sequence
+
+import torch
+from torch import nn
+from torch.func import functional_call
+from torch.utils._pytree import tree_leaves
+
+from dadfl.strategies.capture import as_args
+
+PROBE_VALUES = 256
+PROBE_TOLERANCE = 1e-2
+PROBE_SEED = 20261124
+
+
+def _seeded_inputs(example: torch.Tensor | Sequence[torch.Tensor], generator: torch.Generator) -> tuple:
+    return tuple(
+        torch.randn(t.shape, generator=generator, dtype=torch.float64).to(device=t.device, dtype=t.dtype)
+        if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+        for t in as_args(example)
+    )
+
+
+def _seeded_parameters(model: nn.Module, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Every parameter replaced by seeded uniform values at the scale of a default init
+    (±1/√fan-in for matrices and kernels, ±1 otherwise), identical wherever the layout is."""
+    values = {}
+    for name, param in model.named_parameters():
+        bound = 1.0 / math.sqrt(max(1, param.numel() // param.shape[0])) if param.dim() >= 2 else 1.0
+        drawn = torch.rand(param.shape, generator=generator, dtype=torch.float64) * (2 * bound) - bound
+        values[name] = drawn.to(device=param.device, dtype=param.dtype)
+    return values
+
+
+@torch.no_grad()
+def model_probe(model: nn.Module, example: torch.Tensor | Sequence[torch.Tensor]) -> list[float]:
+    """What ``model`` computes on ``example`` with seeded parameters, as at most PROBE_VALUES chunk means."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        generator = torch.Generator().manual_seed(PROBE_SEED)
+        output = functional_call(model, _seeded_parameters(model, generator), _seeded_inputs(example, generator))
+    finally:
+        for module, training in modes:
+            module.training = training
+    leaves = [t.detach().reshape(-1).double().cpu() for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not leaves:
+        return []
+    flat = torch.cat(leaves)
+    if not len(flat) or not torch.isfinite(flat).all():
+        return []
+    return [chunk.mean().item() for chunk in torch.tensor_split(flat, min(PROBE_VALUES, len(flat)))]
+
+
+def probe_distance(mine: Sequence[float], theirs: Sequence[float]) -> float:
+    """‖mine − theirs‖ / max(‖mine‖, ‖theirs‖); infinite when the lengths differ, NaN when
+    ``theirs`` (from the wire) is not finite."""
+    if len(mine) != len(theirs):
+        return math.inf
+    a, b = torch.tensor(mine, dtype=torch.float64), torch.tensor(theirs, dtype=torch.float64)
+    scale = max(a.norm().item(), b.norm().item())
+    return (a - b).norm().item() / scale if scale > 0 else 0.0
+
+
+def line_hash(line: str) -> int:
+    """64 bits of SHA-256: the run config carries these for the server's layout lines."""
+    return int.from_bytes(hashlib.sha256(line.encode()).digest()[:8], "little")
+
+
+def layout_difference(my_lines: Sequence[str], their_hashes: Sequence[int]) -> str:
+    """Name what differs, from this side's layout lines and the other side's line hashes."""
+    theirs = set(their_hashes)
+    mine = {line_hash(line) for line in my_lines}
+    only_mine = [line for line in my_lines if line_hash(line) not in theirs]
+    only_theirs = len(theirs - mine)
+    parts = []
+    if only_mine:
+        shown = "; ".join(only_mine[:3]) + (f" and {len(only_mine) - 3} more" if len(only_mine) > 3 else "")
+        parts.append(f"this site has {shown}, which the coordinator's model does not")
+    if only_theirs:
+        parts.append(f"the coordinator's model has {only_theirs} parameter(s), buffer(s) or captured layer(s) this site's lacks")
+    return ", and ".join(parts) or "the layouts list the same lines in a different order"
