@@ -77,6 +77,16 @@ PERMANENT = {
 TLS_FAILURES = ("handshake failed", "verification check failed")
 
 
+def tls_closed_advice(connect) -> str:
+    """A TLS server that closes the connection while connecting has most often refused the
+    site's client certificate, which gRPC reports as a closed socket, like a network fault:
+    the site keeps retrying, and says what to check."""
+    if connect.client_cert is None:
+        return ("; if the coordinator requires client certificates (listen.require_client_cert), set connect.client_cert "
+                "and connect.client_key to the files `dadfl enroll SITE --cert` wrote")
+    return "; if the coordinator requires client certificates, check that connect.client_cert was issued by its CA (`dadfl enroll SITE --cert`)"
+
+
 def step_work_bytes(replica: Replica) -> int:
     """The work of one step, as ``INLINE_BYTES`` measures it: the model's parameter bytes times
     the batches one step trains on."""
@@ -534,6 +544,8 @@ async def _take_part(site: Site, insecure: bool) -> SiteSummary:
                     "is the CA that signed its certificate and connect.tls_server_name a name in it"
                 ) from None
             reason = f"{exc.code().name}: {one_line(exc.details() or '', REASON_CHARS)}"
+            if not insecure and "socket closed" in (exc.details() or "").lower():
+                reason += tls_closed_advice(connect)
         except StateLost as exc:
             reason = str(exc)
         if site.summary.steps > steps_before:

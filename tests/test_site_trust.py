@@ -31,23 +31,36 @@ from dadfl.cli import app
 from dadfl.client.config import SiteConfig
 from dadfl.client.data_checks import DataMismatch
 from dadfl.client.run_checks import RunRefused, build_workload, check_run_config, workload_allowed
+from dadfl.model_identity import line_hash, model_probe
 from dadfl.protos import coordinator_pb2 as cpb
-from dadfl.workloads import load_workload
 from dadfl.protos import coordinator_pb2_grpc as cpb_grpc
 from dadfl.protos.channel import PROTOCOL_VERSION, channel_options
 from dadfl.server.enrol import enroll, write_tokens
+from dadfl.strategies import Layout
+from dadfl.workloads import load_workload
 from network_helpers import ServerThread, SiteThread, free_port, server_config, site_config, write_toml
 
 SITE_TIMEOUT_S = 60
 
 
 def run_config(**fields) -> cpb.RunConfig:
+    """A run config with the layout and model probe a coordinator of digits-mlp (hidden 16)
+    sends, unless ``fields`` give a layout fingerprint; the workload named may be another
+    module building the same model (imported only by the site)."""
     base = dict(
         run_id="run1", workload="digits-mlp", workload_options='{"hidden": 16}', strategy="dsgd", strategy_options="{}",
-        optimizer='{"name": "sgd", "lr": 0.1}', batch_size=16, steps=5, codec="none", layout_fingerprint="0" * 16,
+        optimizer='{"name": "sgd", "lr": 0.1}', batch_size=16, steps=5, codec="none",
         chunk_bytes=1 << 20, max_payload_bytes=1 << 20,
     )
-    return cpb.RunConfig(**{**base, **fields})
+    config = cpb.RunConfig(**{**base, **fields})
+    if "layout_fingerprint" not in fields:
+        workload = load_workload("digits-mlp", hidden=16)
+        model, example = workload.build_model(), workload.example()
+        layout = Layout.from_model(model, example)
+        config.layout_fingerprint = layout.fingerprint()
+        config.layout_line_hashes[:] = [line_hash(line) for line in layout.lines()]
+        config.model_probe[:] = model_probe(model, example)
+    return config
 
 
 class FakeCoordinator(cpb_grpc.CoordinatorServicer):
@@ -455,7 +468,7 @@ def test_a_site_whose_model_file_differs_from_the_coordinators_leaves_saying_how
 
 def test_the_model_probe_from_the_wire_is_checked_and_leaves_the_model_as_it_was():
     from dadfl.client.run_checks import check_same_model
-    from dadfl.model_identity import PROBE_VALUES, line_hash
+    from dadfl.model_identity import PROBE_VALUES
     from dadfl.replica import OptimizerConfig, Replica
     from dadfl.strategies import make_strategy
 
