@@ -17,7 +17,9 @@ reuse are all seen correctly. Which captures are trustworthy is decided once, by
 probe in ``layout.py``; a step whose calls do not match the layout sends that layer dense.
 A call reads the model's **raw input** when its input is that input or anything computed
 from it by other functions than a captured call (normalising, scaling, casting, selecting
-columns): only a captured call's learned mixing ends the raw input.
+columns): only a captured call's learned mixing ends the raw input. Raw input taken out of
+torch (``x.numpy()``, ``x.tolist()``) cannot be followed back in, so every call after that
+counts as reading it.
 
 **Per-sample calls** (only for clipping, ``privacy.py``): the parameters no layer covers are
 followed too, with every use of them (and of their views) noted. Two call forms give each
@@ -122,6 +124,12 @@ VALUE_FREE = frozenset({
 })
 
 
+# Functions that hand a tensor's values to code outside torch, where nothing connects them to
+# what comes back (``torch.from_numpy(x.numpy() / 100)``): once raw input leaves this way,
+# every captured call after it counts as reading raw input.
+LEAVES_TORCH = frozenset({torch.Tensor.numpy, torch.Tensor.__array__, torch.Tensor.tolist})
+
+
 def _reads(ids: set[int], values) -> bool:
     """Whether any of ``values``, or of the items of those that are tuples or lists (``torch.cat``'s), is in ``ids``."""
     for value in values:
@@ -170,6 +178,7 @@ class CallRecorder(TorchFunctionMode):
         self._raw: list[torch.Tensor] = [t for t in raw_inputs if torch.is_tensor(t)]  # kept alive: ids stay theirs
         self.raw_ids = {id(t) for t in self._raw}
         self.raw_storages = {_storage(t) for t in self._raw} - {None, 0}
+        self.raw_left_torch = False  # raw input went through LEAVES_TORCH
         self.calls: dict[str, list[Call]] = {}
         self.refused: dict[str, str] = {}
         self.uses: dict[str, set[str]] = {}
@@ -195,7 +204,7 @@ class CallRecorder(TorchFunctionMode):
             and self._record(kind, args, kwargs, out)
         )
         if not captured and func not in VALUE_FREE:
-            self._follow_raw(args, kwargs, out)
+            self._follow_raw(func, args, kwargs, out)
         if not torch.is_grad_enabled():
             return out
         if not captured:
@@ -281,13 +290,15 @@ class CallRecorder(TorchFunctionMode):
         out.register_hook(record)
         return {id(t[3]) for t in targets}
 
-    def _follow_raw(self, args: tuple, kwargs: dict, out) -> None:
+    def _follow_raw(self, func, args: tuple, kwargs: dict, out) -> None:
         """What anything but a captured call computes from the raw input (a normalisation, a
         scaling, a cast, a selection of columns) is raw input too: a layer reading it reads the
         patient data transformed, often invertibly (BatchNorm's output and its running
         statistics give back the rows). Only a captured call's output (a learned mixing) is not."""
         if not _reads(self.raw_ids, args) and not (kwargs and _reads(self.raw_ids, kwargs.values())):
             return
+        if func in LEAVES_TORCH:
+            self.raw_left_torch = True
         for result in out if isinstance(out, (tuple, list)) else (out,):
             if torch.is_tensor(result) and id(result) not in self.raw_ids:
                 self._raw.append(result)
@@ -359,7 +370,7 @@ class CallRecorder(TorchFunctionMode):
         elif x.dtype != weight.dtype or out.dtype != weight.dtype:
             self.refused[name] = f"a {kind} call computes in {out.dtype} while the weight is {weight.dtype} (autocast)"
             return True
-        raw = id(x) in self.raw_ids or _storage(x) in self.raw_storages
+        raw = self.raw_left_torch or id(x) in self.raw_ids or _storage(x) in self.raw_storages
         lead = int(x.shape[0]) if x.dim() >= (2 if kind in ("linear", LOOKUP) else {"conv1d": 3, "conv2d": 4}[kind]) else None
         if kind == LOOKUP:
             padding = bound["padding_idx"]

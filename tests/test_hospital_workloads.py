@@ -128,7 +128,8 @@ def test_csv_as_spreadsheets_export_it_and_where_a_cell_is_wrong(tmp_path):
         path.write_text(text)
         with pytest.raises(ValueError, match=message) as refused:
             read_data_file(path)
-        assert "high-risk" not in str(refused.value) and "45" not in str(refused.value)
+        words = str(refused.value).replace(str(path), "PATH")  # the test's folder name may hold any digits
+        assert "high-risk" not in words and "45" not in words
 
 
 def test_csv_site_data_and_held_out_share(tmp_path):
