@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 from pathlib import Path
 from typing import Callable
 
@@ -75,9 +76,36 @@ def add_coordinator(coordinator: Coordinator, server: grpc.aio.Server) -> None:
 
 
 def run_server(config: ServerConfig, insecure: bool = False) -> None:
+    """``serve`` until the run ends; Ctrl-C raises KeyboardInterrupt once the server has stopped."""
     if config.threads:
         torch.set_num_threads(config.threads)
-    asyncio.run(serve(config, insecure))
+    asyncio.run(_serve_until_interrupted(config, insecure))
+
+
+async def _serve_until_interrupted(config: ServerConfig, insecure: bool) -> None:
+    """On Ctrl-C, ``serve`` is cancelled, stops the gRPC server (which cancels the sites'
+    streams) and the streams' own tasks are let finish before the loop closes: cancelled by
+    asyncio.run's cleanup instead, gRPC logs each as an unhandled CancelledError with its
+    traceback. A second Ctrl-C interrupts at once."""
+    loop, main = asyncio.get_running_loop(), asyncio.current_task()
+    interrupted = False
+
+    def interrupt() -> None:
+        nonlocal interrupted
+        interrupted = True
+        loop.remove_signal_handler(signal.SIGINT)
+        main.cancel()
+
+    loop.add_signal_handler(signal.SIGINT, interrupt)
+    try:
+        await serve(config, insecure)
+    except asyncio.CancelledError:
+        if not interrupted:
+            raise
+        others = asyncio.all_tasks() - {main}
+        if others:
+            await asyncio.wait(others, timeout=STOP_GRACE_S)
+        raise KeyboardInterrupt from None
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import subprocess
 import time
 
@@ -66,3 +67,29 @@ def test_site_joining_a_finished_run_exits_0_promptly(tmp_path):
     assert "has finished" in result.stdout and "0 steps" in result.stdout
     again.join(30)
     assert time.monotonic() - started < 30, "the server stopped once every enrolled site heard it, well before linger_s"
+
+
+def test_ctrl_c_stops_the_coordinator_with_one_line_and_no_traceback(tmp_path):
+    """Ctrl-C while sites are connected: their streams are cancelled and end before the
+    process does (gRPC printed a CancelledError traceback per stream before)."""
+    config = server_config(tmp_path, training={"steps": 100_000, "eval_every": 1000, "checkpoint_every": 0}, federation={"min_sites": 1})
+    server_toml = write_toml(tmp_path / "server.toml", config.model_dump(mode="json", exclude_none=True))
+    server = subprocess.Popen(dadfl_command("server", "--config", str(server_toml), "--insecure"), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (config.run_dir / "endpoint").exists():
+            assert time.monotonic() < deadline and server.poll() is None, "the coordinator did not start"
+            time.sleep(0.05)
+        endpoint = (config.run_dir / "endpoint").read_text()
+        for index in range(2):
+            SiteThread(site_config(tmp_path, f"s{index}", endpoint, index, 2, connect={"max_attempts": 2})).start()
+        while not (config.run_dir / "metrics.jsonl").exists() or len(list(read_metrics(config.run_dir / "metrics.jsonl"))) < 20:
+            assert time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.05)
+        server.send_signal(signal.SIGINT)
+        _, stderr = server.communicate(timeout=30)
+    finally:
+        server.kill()
+    assert server.returncode == 130, stderr
+    assert stderr.rstrip().endswith("error: interrupted") and "Traceback" not in stderr and "CancelledError" not in stderr, stderr
