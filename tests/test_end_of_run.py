@@ -8,8 +8,6 @@ import signal
 import subprocess
 import time
 
-import pytest
-
 import dadfl.client.site as site_module
 from dadfl.metrics import read_metrics
 from dadfl.server import checkpoint
