@@ -202,20 +202,21 @@ def build_workload(run: CheckedRun, limits: RunLimits, search_path: Sequence[Pat
     return workload
 
 
-def check_same_model(config: cpb.RunConfig, replica: Replica) -> None:
+def check_same_model(replica: Replica, layout_fingerprint: str, layout_line_hashes: Sequence[int], model_probe: Sequence[float]) -> None:
     """Refuse a run whose model this site builds differently from the coordinator: another
-    layout (naming what this site has that the coordinator's lacks), or another function
-    (``dadfl/model_identity.py``). Both mean different model code on the two sides."""
+    layout (naming what this site has that the coordinator's lacks, from the coordinator's
+    line hashes), or another function (its ``model_probe``, ``dadfl/model_identity.py``).
+    Both mean different model code on the two sides."""
     layout = replica.layout
-    if layout.fingerprint() != config.layout_fingerprint:
+    if layout.fingerprint() != layout_fingerprint:
         raise RunRefused(
-            f"this site's model differs from the coordinator's in its layout: {layout_difference(layout.lines(), config.layout_line_hashes)}; "
+            f"this site's model differs from the coordinator's in its layout: {layout_difference(layout.lines(), layout_line_hashes)}; "
             "site and coordinator must run the same dadfl, torch and workload code"
         )
-    if not replica.model_probe or not config.model_probe:
+    if not replica.model_probe or not model_probe:
         log.info("the model's output is not probed (no finite floating output): only its layout is checked against the coordinator's")
         return
-    distance = probe_distance(replica.model_probe, config.model_probe)
+    distance = probe_distance(replica.model_probe, model_probe)
     if not distance <= PROBE_TOLERANCE:  # NaN from the wire fails too
         raise RunRefused(
             f"this site's model computes a different function from the coordinator's: given the same seeded weights and input, "

@@ -365,7 +365,7 @@ class Site:
             workload, checked.strategy, checked.optimizer, resolve_device(self.config.device),
             max_grad_norm=privacy.max_grad_norm if privacy else None,
         )
-        check_same_model(config, replica)
+        check_same_model(replica, config.layout_fingerprint, config.layout_line_hashes, config.model_probe)
         batches, held_out = load_site_batches(self.config, workload, config.batch_size, replica.device, self.data_file)
         source = data_source(self.config, workload)
         poisson, releases = None, None

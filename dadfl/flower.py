@@ -99,7 +99,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordD
 from flwr.clientapp import ClientApp  # noqa: E402
 from flwr.serverapp import Grid, ServerApp  # noqa: E402
 
-from dadfl.client.run_checks import RunRefused
+from dadfl.client.run_checks import RunRefused, check_same_model
 from dadfl.protos import tensor_pb2 as pb
 from dadfl.protos.codec import DTYPES, Assembled, WireError, check_extent, check_payload_bytes, checked_dtype
 from dadfl.protos.state import MODEL_PREFIX, OPTIM_PREFIX, load_state, state_payload
@@ -113,6 +113,7 @@ from dadfl.workloads import Split, StepBatches, Workload, load_workload, partiti
 from .config import load_config, validate_config
 from .flower_policy import MAX_SETTINGS_CHARS, NodePolicy, cached_workload, check_settings, node_workload
 from .metrics import MetricsWriter, is_eval_step, run_summary
+from .model_identity import MAX_IDENTITY_CHARS, identity_text, read_identity_text
 from .replica import Replica, resolve_device
 from .simulation import Progress, SimulationConfig, StrategySpec, run_directory
 
@@ -174,7 +175,7 @@ def tensors_from_record(record: ArrayRecord) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------- reading the other side
 
 MAX_FIELD_CHARS = 64  # a weights fingerprint (32 hex digits) with room to spare
-FIELD_CHARS = {"settings": MAX_SETTINGS_CHARS, "reason": REASON_CHARS}  # text fields longer than MAX_FIELD_CHARS
+FIELD_CHARS = {"settings": MAX_SETTINGS_CHARS, "reason": REASON_CHARS, "model": MAX_IDENTITY_CHARS}  # text fields longer than MAX_FIELD_CHARS
 MAX_COUNT = 2**31 - 1  # steps, phases, attempts and samples fit the wire header's fields
 
 # The header fields of each reply status, by type (besides "status"); nothing else may be there.
@@ -188,6 +189,7 @@ REPLY_FIELDS: dict[str, dict[str, type]] = {
 # The header fields of the server's messages.
 STEP_FIELDS = {
     "step": int, "attempt": int, "phase": int, "num_samples": int, "settings": str, "partition_index": int, "fingerprint": str, "layout": str,
+    "model": str,  # model_identity.identity_text: the layout's line hashes and the model probe
 }
 PHASE_FIELDS = {"step": int, "phase": int, "num_samples": int, "attempt": int}
 NUMPY_DTYPES = {np.dtype(torch.empty(0, dtype=d).numpy().dtype): d for d in DTYPES if d != torch.bfloat16}
@@ -584,12 +586,11 @@ def handle_step(message: Message, context: Context) -> Message:
             load_state(node.replica, Payload(step, 0, 0, tensors))
         except ValueError as exc:
             raise Refused(f"the server's full state: {exc}") from None
-    layout = node.replica.layout.fingerprint()
-    if layout != fields["layout"]:
-        raise ValueError(
-            f"node {context.node_id}: model layout {layout} differs from the server's {printable(fields['layout'])}; "
-            "install the same dadfl version and workload (and its options) on every site and the server"
-        )
+    try:
+        line_hashes, probe = read_identity_text(fields["model"])
+    except ValueError as exc:
+        raise Refused(f"header field 'model': {exc}") from None
+    check_same_model(node.replica, fields["layout"], line_hashes, probe)
     fingerprint = weights_fingerprint(node.replica.model)
     if fingerprint != fields["fingerprint"]:
         return _reply(message, NEED_STATE, fingerprint=fingerprint)
@@ -804,6 +805,7 @@ class FlowerCoordinator:
         resync) every node rebuilds its replica and site half: strategy state restarts."""
         state = record_from_tensors(state_payload(self.replica, step).tensors) if with_state else None
         layout = self.replica.layout.fingerprint()
+        model = identity_text(self.replica.layout.lines(), self.replica.model_probe)
 
         def content(position: int) -> RecordDict:
             header = ConfigRecord(
@@ -816,6 +818,7 @@ class FlowerCoordinator:
                     "partition_index": position,
                     "fingerprint": self.fingerprint,
                     "layout": layout,
+                    "model": model,
                 }
             )
             records: dict[str, Any] = {HEADER: header}

@@ -28,6 +28,7 @@ probe is not finite, is not probed (an empty probe), and the site says so in its
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from typing import Sequence
 
@@ -41,6 +42,7 @@ from dadfl.strategies.capture import as_args
 PROBE_VALUES = 256
 PROBE_TOLERANCE = 1e-2
 PROBE_SEED = 20261124
+MAX_IDENTITY_CHARS = 1 << 16  # Flower's header field: the line hashes and the probe as JSON
 
 
 def _seeded_inputs(example: torch.Tensor | Sequence[torch.Tensor], generator: torch.Generator) -> tuple:
@@ -110,3 +112,23 @@ def layout_difference(my_lines: Sequence[str], their_hashes: Sequence[int]) -> s
     if only_theirs:
         parts.append(f"the coordinator's model has {only_theirs} parameter(s), buffer(s) or captured layer(s) this site's lacks")
     return ", and ".join(parts) or "the layouts list the same lines in a different order"
+
+
+def identity_text(lines: Sequence[str], probe: Sequence[float]) -> str:
+    """The layout's line hashes and the model probe as one JSON text (a Flower header field;
+    the gRPC runtime carries them as fields of the run config)."""
+    return json.dumps({"lines": [line_hash(line) for line in lines], "probe": list(probe)})
+
+
+def read_identity_text(text: str) -> tuple[list[int], list[float]]:
+    """(line hashes, probe) from ``identity_text``; ValueError when it is anything else."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if isinstance(value, dict) and set(value) == {"lines", "probe"}:
+        lines, probe = value["lines"], value["probe"]
+        if (isinstance(lines, list) and all(type(h) is int and 0 <= h < 1 << 64 for h in lines)
+                and isinstance(probe, list) and len(probe) <= PROBE_VALUES and all(type(v) is float for v in probe)):
+            return lines, probe
+    raise ValueError(f"the model identity is not {{\"lines\": [64-bit hashes], \"probe\": [at most {PROBE_VALUES} numbers]}}")

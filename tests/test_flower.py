@@ -11,6 +11,7 @@ from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from dadfl import flower  # noqa: E402
 from dadfl.metrics import MetricsWriter, read_metrics  # noqa: E402
+from dadfl.model_identity import identity_text  # noqa: E402
 from dadfl.simulation import SimulationConfig, StrategySpec, simulate  # noqa: E402
 from dadfl.workloads import partition  # noqa: E402
 
@@ -151,9 +152,16 @@ def test_a_node_with_another_model_is_refused_with_the_fix(tmp_path, task_identi
         coordinator = flower.FlowerCoordinator(flower.RunSettings(config, spec), grid, metrics)
         coordinator.nodes = coordinator.wait_for_nodes()
         content = coordinator.step_content(0, 0, with_state=False)
-        wrong = lambda position: _with_header(content(position), layout="0000")  # noqa: E731
-        with pytest.raises(ValueError, match="install the same dadfl version and workload"):
-            coordinator.round(0, 0, 0, flower.STEP_MESSAGE, wrong)
+        replica = coordinator.replica
+        lines, probe = replica.layout.lines(), replica.model_probe
+        for header, refusal in (
+            ({"layout": "0000", "model": identity_text(lines[1:], probe)}, r"in its layout: this site has parameter 0\.weight of shape"),
+            ({"model": identity_text(lines, [v * 1.1 for v in probe])}, "computes a different function from the coordinator's"),
+            ({"model": '{"lines": "all"}'}, "header field .{1,8}model.{1,8}: the model identity is not"),
+        ):
+            wrong = lambda position: _with_header(content(position), **header)  # noqa: E731
+            with pytest.raises(flower.FlowerRunError, match=f"node 31 refuses the server's message: .*{refusal}"):
+                coordinator.round(0, 0, 0, flower.STEP_MESSAGE, wrong)
 
 
 def _with_header(content, **fields):

@@ -480,11 +480,11 @@ def test_the_model_probe_from_the_wire_is_checked_and_leaves_the_model_as_it_was
     config = cpb.RunConfig(layout_fingerprint=replica.layout.fingerprint(), layout_line_hashes=[line_hash(x) for x in replica.layout.lines()])
     for probe in (replica.model_probe, []):  # the same, or none (a model without floating output): joins
         config.model_probe[:] = probe
-        check_same_model(config, again)
+        check_same_model(again, config.layout_fingerprint, config.layout_line_hashes, config.model_probe)
     for probe in (replica.model_probe[:-1], [math.nan] * PROBE_VALUES, [v * 1.05 for v in replica.model_probe]):
         config.model_probe[:] = probe
         with pytest.raises(RunRefused, match="computes a different function"):
-            check_same_model(config, again)
+            check_same_model(again, config.layout_fingerprint, config.layout_line_hashes, config.model_probe)
     assert replica.model.training and all(torch.equal(before[name], t) for name, t in replica.model.state_dict().items())
 
 
