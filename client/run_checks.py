@@ -27,7 +27,7 @@ from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.protos.codec import CODECS
 from dadfl.options import strategy_options, validation_summary
 from dadfl.privacy import SitePrivacy, check_dp_strategy
-from dadfl.model_identity import PROBE_TOLERANCE, layout_difference, probe_distance
+from dadfl.model_identity import MAX_LAYOUT_LINES, PROBE_TOLERANCE, PROBE_VALUES, layout_difference, probe_distance
 from dadfl.replica import OptimizerConfig, Replica
 from dadfl.sanitize import printable
 from dadfl.strategies import STRATEGIES, Strategy, make_strategy
@@ -106,6 +106,8 @@ def check_run_config(config: cpb.RunConfig, site: RunPolicy, max_chunk_bytes: in
         raise RunRefused(f"the coordinator sent codec {printable(config.codec)}; this site knows {', '.join(CODECS)}")
     if not re.fullmatch(FINGERPRINT, config.layout_fingerprint):
         raise RunRefused(f"the coordinator sent layout fingerprint {printable(config.layout_fingerprint)}: expected hex digits")
+    bound("model_probe values", len(config.model_probe), 0, PROBE_VALUES, None)
+    bound("layout_line_hashes", len(config.layout_line_hashes), 0, MAX_LAYOUT_LINES, None)
     privacy = None
     if config.dp:
         try:

@@ -42,7 +42,8 @@ from dadfl.strategies.capture import as_args
 PROBE_VALUES = 256
 PROBE_TOLERANCE = 1e-2
 PROBE_SEED = 20261124
-MAX_IDENTITY_CHARS = 1 << 16  # Flower's header field: the line hashes and the probe as JSON
+MAX_LAYOUT_LINES = 16384  # a parameter, buffer or captured layer each; a larger layout sends no hashes
+MAX_IDENTITY_CHARS = 24 * MAX_LAYOUT_LINES + 32 * PROBE_VALUES  # Flower's header field, as JSON
 
 
 def _seeded_inputs(example: torch.Tensor | Sequence[torch.Tensor], generator: torch.Generator) -> tuple:
@@ -99,8 +100,15 @@ def line_hash(line: str) -> int:
     return int.from_bytes(hashlib.sha256(line.encode()).digest()[:8], "little")
 
 
+def line_hashes(lines: Sequence[str]) -> list[int]:
+    """What the coordinator sends of its layout lines: their hashes, none beyond MAX_LAYOUT_LINES."""
+    return [line_hash(line) for line in lines] if len(lines) <= MAX_LAYOUT_LINES else []
+
+
 def layout_difference(my_lines: Sequence[str], their_hashes: Sequence[int]) -> str:
     """Name what differs, from this side's layout lines and the other side's line hashes."""
+    if not their_hashes:
+        return f"the coordinator's layout has more than {MAX_LAYOUT_LINES} lines, too many to name what differs"
     theirs = set(their_hashes)
     mine = {line_hash(line) for line in my_lines}
     only_mine = [line for line in my_lines if line_hash(line) not in theirs]
@@ -117,7 +125,7 @@ def layout_difference(my_lines: Sequence[str], their_hashes: Sequence[int]) -> s
 def identity_text(lines: Sequence[str], probe: Sequence[float]) -> str:
     """The layout's line hashes and the model probe as one JSON text (a Flower header field;
     the gRPC runtime carries them as fields of the run config)."""
-    return json.dumps({"lines": [line_hash(line) for line in lines], "probe": list(probe)})
+    return json.dumps({"lines": line_hashes(lines), "probe": list(probe)})
 
 
 def read_identity_text(text: str) -> tuple[list[int], list[float]]:
@@ -128,7 +136,9 @@ def read_identity_text(text: str) -> tuple[list[int], list[float]]:
         value = None
     if isinstance(value, dict) and set(value) == {"lines", "probe"}:
         lines, probe = value["lines"], value["probe"]
-        if (isinstance(lines, list) and all(type(h) is int and 0 <= h < 1 << 64 for h in lines)
+        if (isinstance(lines, list) and len(lines) <= MAX_LAYOUT_LINES and all(type(h) is int and 0 <= h < 1 << 64 for h in lines)
                 and isinstance(probe, list) and len(probe) <= PROBE_VALUES and all(type(v) is float for v in probe)):
             return lines, probe
-    raise ValueError(f"the model identity is not {{\"lines\": [64-bit hashes], \"probe\": [at most {PROBE_VALUES} numbers]}}")
+    raise ValueError(
+        f"the model identity is not {{\"lines\": [at most {MAX_LAYOUT_LINES} 64-bit hashes], \"probe\": [at most {PROBE_VALUES} numbers]}}"
+    )

@@ -93,7 +93,7 @@ from dadfl.protos.codec import PayloadAssembler, WireError, codec_id, encode_pay
 from dadfl.protos.state import state_payload
 from dadfl.replica import Replica
 from dadfl.sanitize import REASON_CHARS, one_line, printable
-from dadfl.model_identity import line_hash
+from dadfl.model_identity import line_hashes
 from dadfl.strategies import make_strategy, weights_fingerprint
 from dadfl.workloads import load_workload
 
@@ -243,7 +243,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             codec=c.wire.codec,
             layout_fingerprint=self.layout.fingerprint(),
             model_probe=self.replica.model_probe,
-            layout_line_hashes=[line_hash(line) for line in self.layout.lines()],
+            layout_line_hashes=line_hashes(self.layout.lines()),
             chunk_bytes=c.wire.chunk_bytes,
             max_payload_bytes=c.wire.max_payload_bytes,
             eval_every=c.training.eval_every,

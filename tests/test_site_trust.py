@@ -31,7 +31,7 @@ from dadfl.cli import app
 from dadfl.client.config import SiteConfig
 from dadfl.client.data_checks import DataMismatch
 from dadfl.client.run_checks import RunRefused, build_workload, check_run_config, workload_allowed
-from dadfl.model_identity import line_hash, model_probe
+from dadfl.model_identity import line_hashes, model_probe
 from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.protos import coordinator_pb2_grpc as cpb_grpc
 from dadfl.protos.channel import PROTOCOL_VERSION, channel_options
@@ -45,22 +45,18 @@ SITE_TIMEOUT_S = 60
 
 def run_config(**fields) -> cpb.RunConfig:
     """A run config with the layout and model probe a coordinator of digits-mlp (hidden 16)
-    sends, unless ``fields`` give a layout fingerprint; the workload named may be another
-    module building the same model (imported only by the site)."""
+    sends, unless ``fields`` set them; the workload named may be another module building the
+    same model (imported only by the site)."""
     base = dict(
         run_id="run1", workload="digits-mlp", workload_options='{"hidden": 16}', strategy="dsgd", strategy_options="{}",
         optimizer='{"name": "sgd", "lr": 0.1}', batch_size=16, steps=5, codec="none",
         chunk_bytes=1 << 20, max_payload_bytes=1 << 20,
     )
-    config = cpb.RunConfig(**{**base, **fields})
-    if "layout_fingerprint" not in fields:
-        workload = load_workload("digits-mlp", hidden=16)
-        model, example = workload.build_model(), workload.example()
-        layout = Layout.from_model(model, example)
-        config.layout_fingerprint = layout.fingerprint()
-        config.layout_line_hashes[:] = [line_hash(line) for line in layout.lines()]
-        config.model_probe[:] = model_probe(model, example)
-    return config
+    workload = load_workload("digits-mlp", hidden=16)
+    model, example = workload.build_model(), workload.example()
+    layout = Layout.from_model(model, example)
+    sent = dict(layout_fingerprint=layout.fingerprint(), layout_line_hashes=line_hashes(layout.lines()), model_probe=model_probe(model, example))
+    return cpb.RunConfig(**{**base, **sent, **fields})
 
 
 class FakeCoordinator(cpb_grpc.CoordinatorServicer):
@@ -205,6 +201,8 @@ HOSTILE_RUN_CONFIGS = {
     "optimizer extra key": (dict(optimizer='{"name": "sgd", "lr": 0.1, "hook": "x"}'), "hook: Extra inputs"),
     "run id with a newline": (dict(run_id="a\nforged line"), "'a\\nforged line'"),
     "layout fingerprint": (dict(layout_fingerprint="zz" * 1000), "expected hex digits"),
+    "huge model probe": (dict(model_probe=[1.0] * 100_000), "model_probe values"),
+    "huge layout lines": (dict(layout_line_hashes=list(range(100_000))), "layout_line_hashes"),
 }
 
 
@@ -477,7 +475,7 @@ def test_the_model_probe_from_the_wire_is_checked_and_leaves_the_model_as_it_was
     assert replica.model.training and len(replica.model_probe) == PROBE_VALUES
     again = Replica(load_workload("char-gru"), make_strategy("dad"), OptimizerConfig())  # other initial weights, same function
     assert again.model_probe == replica.model_probe
-    config = cpb.RunConfig(layout_fingerprint=replica.layout.fingerprint(), layout_line_hashes=[line_hash(x) for x in replica.layout.lines()])
+    config = cpb.RunConfig(layout_fingerprint=replica.layout.fingerprint(), layout_line_hashes=line_hashes(replica.layout.lines()))
     for probe in (replica.model_probe, []):  # the same, or none (a model without floating output): joins
         config.model_probe[:] = probe
         check_same_model(again, config.layout_fingerprint, config.layout_line_hashes, config.model_probe)
@@ -486,6 +484,8 @@ def test_the_model_probe_from_the_wire_is_checked_and_leaves_the_model_as_it_was
         with pytest.raises(RunRefused, match="computes a different function"):
             check_same_model(again, config.layout_fingerprint, config.layout_line_hashes, config.model_probe)
     assert replica.model.training and all(torch.equal(before[name], t) for name, t in replica.model.state_dict().items())
+    with pytest.raises(RunRefused, match="more than 16384 lines, too many to name what differs"):  # a layout that large sends no hashes
+        check_same_model(again, "0" * 16, [], replica.model_probe)
 
 
 # ---------------------------------------------------------------- hostile hellos and garbage at the coordinator
