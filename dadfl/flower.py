@@ -457,9 +457,10 @@ class NodeReplica:
     messages: list[Payload] = field(default_factory=list)
 
     @classmethod
-    def build(cls, settings_json: str, layout: str, context: Context, policy: NodePolicy) -> "NodeReplica":
+    def build(cls, settings_json: str, layout: str, context: Context, policy: NodePolicy, probe: bool = True) -> "NodeReplica":
         """A fresh replica: seeded initial weights, as the server's at step 0. Nothing is imported
-        or built unless the node's policy allows the settings (:func:`check_settings`)."""
+        or built unless the node's policy allows the settings (:func:`check_settings`).
+        ``probe``: compute the model probe, for the check against the server's model."""
         run = check_settings(settings_json, policy, context.run_id, layout)
         node_config = context.node_config
         # The server's thread count, at most this machine's cores, unless the node sets its own.
@@ -468,7 +469,7 @@ class NodeReplica:
             device = resolve_device(str(node_config.get("device", run.config.device)))
         except ValueError as exc:
             raise RunRefused(f"{exc} (set device in this node's --node-config)") from None
-        replica = Replica(node_workload(run.checked, policy), run.checked.strategy, run.checked.optimizer, device)
+        replica = Replica(node_workload(run.checked, policy), run.checked.strategy, run.checked.optimizer, device, probe=probe)
         return cls(settings_json, layout, RunSettings(run.config, run.spec), replica)
 
     def state_dtypes(self) -> Callable[[str], set[torch.dtype] | None]:
@@ -514,7 +515,7 @@ class NodeReplica:
         if NODE_INFO not in context.state.config_records or NODE_WEIGHTS not in context.state.array_records:
             return None
         info = context.state.config_records[NODE_INFO]
-        node = cls.build(str(info["settings"]), str(info["layout"]), context, policy)
+        node = cls.build(str(info["settings"]), str(info["layout"]), context, policy, probe=False)  # checked when first built
         load_state(node.replica, Payload(0, 0, 0, tensors_from_record(context.state.array_records[NODE_WEIGHTS])))
         half = bytes(info["half"])
         if half:
@@ -586,11 +587,15 @@ def handle_step(message: Message, context: Context) -> Message:
             load_state(node.replica, Payload(step, 0, 0, tensors))
         except ValueError as exc:
             raise Refused(f"the server's full state: {exc}") from None
-    try:
-        line_hashes, probe = read_identity_text(fields["model"])
-    except ValueError as exc:
-        raise Refused(f"header field 'model': {exc}") from None
-    check_same_model(node.replica, fields["layout"], line_hashes, probe)
+    if node.replica.model_probe is None:  # restored: its model was checked against this layout when built
+        if fields["layout"] != node.layout:
+            raise Refused(f"the server's layout {printable(fields['layout'])} changed within one run's settings (was {node.layout})")
+    else:  # built by this message: check it is the server's model
+        try:
+            line_hashes, probe = read_identity_text(fields["model"])
+        except ValueError as exc:
+            raise Refused(f"header field 'model': {exc}") from None
+        check_same_model(node.replica, fields["layout"], line_hashes, probe)
     fingerprint = weights_fingerprint(node.replica.model)
     if fingerprint != fields["fingerprint"]:
         return _reply(message, NEED_STATE, fingerprint=fingerprint)

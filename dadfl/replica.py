@@ -58,11 +58,14 @@ class Replica:
     # Differential privacy ([dp]): every sample's gradient is clipped to this norm, and the
     # step's messages are the coordinator's dense noisy update (``dadfl/privacy.py``).
     max_grad_norm: float | None = None
+    # What the freshly built model computes (dadfl/model_identity.py), for the check that a site
+    # runs the coordinator's model; None where that was checked already (a Flower node restored).
+    probe: bool = True
 
     def __post_init__(self) -> None:
         self.model = self.workload.build_model().to(self.device)
         example = self.workload.example().to(self.device)
-        self.model_probe = model_probe(self.model, example)  # before any weights or buffers are loaded
+        self.model_probe = model_probe(self.model, example) if self.probe else None  # before any weights are loaded
         # FedAvg and DiLoCo apply the round's mean delta with their own outer optimizer.
         outer = self.strategy.outer_optimizer(self.model.parameters())
         self.optimizer = outer if outer is not None else self.optimizer_config.build(self.model.parameters())
