@@ -25,9 +25,9 @@ from pydantic import ValidationError
 
 from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.protos.codec import CODECS
+from dadfl.model_identity import MAX_LAYOUT_LINES, PROBE_TOLERANCE, PROBE_VALUES, layout_difference, probe_distance
 from dadfl.options import strategy_options, validation_summary
 from dadfl.privacy import SitePrivacy, check_dp_strategy
-from dadfl.model_identity import MAX_LAYOUT_LINES, PROBE_TOLERANCE, PROBE_VALUES, layout_difference, probe_distance
 from dadfl.replica import OptimizerConfig, Replica
 from dadfl.sanitize import printable
 from dadfl.strategies import STRATEGIES, Strategy, make_strategy
@@ -35,12 +35,12 @@ from dadfl.workloads import BUILTIN, Workload, load_workload
 
 from .config import WORKLOAD_SPEC, PrivacyPolicy, RunLimits, RunPolicy
 
+log = logging.getLogger("dadfl.site")
+
 MAX_OPTIONS_CHARS = 64 << 10  # one JSON field of the run config
 MAX_OPTIONS_DEPTH = 4  # nesting of option values (a JSON bomb nests thousands deep)
 MAX_SPEC_CHARS = 256
 MIN_CHUNK_BYTES = 1024
-log = logging.getLogger("dadfl.site")
-
 RUN_ID = r"^[A-Za-z0-9_-]{1,64}$"
 FINGERPRINT = r"^[0-9a-f]{1,128}$"
 

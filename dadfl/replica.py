@@ -58,8 +58,9 @@ class Replica:
     # Differential privacy ([dp]): every sample's gradient is clipped to this norm, and the
     # step's messages are the coordinator's dense noisy update (``dadfl/privacy.py``).
     max_grad_norm: float | None = None
-    # What the freshly built model computes (dadfl/model_identity.py), for the check that a site
-    # runs the coordinator's model; None where that was checked already (a Flower node restored).
+    # Whether to note what the freshly built model computes (``model_probe``: dadfl/model_identity.py),
+    # for the check that a site runs the coordinator's model; off where that was checked already
+    # (a restored Flower node), and ``model_probe`` is then None.
     probe: bool = True
 
     def __post_init__(self) -> None:

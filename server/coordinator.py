@@ -85,6 +85,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from dadfl.metrics import MetricsWriter, is_eval_step, read_metrics, run_summary
+from dadfl.model_identity import line_hashes
 from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.protos import coordinator_pb2_grpc as cpb_grpc
 from dadfl.protos import tensor_pb2 as pb
@@ -93,7 +94,6 @@ from dadfl.protos.codec import PayloadAssembler, WireError, codec_id, encode_pay
 from dadfl.protos.state import state_payload
 from dadfl.replica import Replica
 from dadfl.sanitize import REASON_CHARS, one_line, printable
-from dadfl.model_identity import line_hashes
 from dadfl.strategies import make_strategy, weights_fingerprint
 from dadfl.workloads import load_workload
 

@@ -18,6 +18,7 @@ import sys
 import textwrap
 import threading
 from concurrent import futures
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -470,11 +471,20 @@ def test_the_model_probe_from_the_wire_is_checked_and_leaves_the_model_as_it_was
     from dadfl.replica import OptimizerConfig, Replica
     from dadfl.strategies import make_strategy
 
-    replica = Replica(load_workload("char-gru"), make_strategy("dad"), OptimizerConfig())
+    workload = load_workload("char-gru")
+    replica = Replica(workload, make_strategy("dad"), OptimizerConfig())
     before = {name: t.clone() for name, t in replica.model.state_dict().items()}
     assert replica.model.training and len(replica.model_probe) == PROBE_VALUES
-    again = Replica(load_workload("char-gru"), make_strategy("dad"), OptimizerConfig())  # other initial weights, same function
-    assert again.model_probe == replica.model_probe
+
+    def other_initial_weights():
+        model = workload.build_model()
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(torch.randn_like(param))
+        return model
+
+    again = Replica(replace(workload, build_model=other_initial_weights), make_strategy("dad"), OptimizerConfig())
+    assert again.model_probe == replica.model_probe  # the probe does not depend on the weights a site starts from
     config = cpb.RunConfig(layout_fingerprint=replica.layout.fingerprint(), layout_line_hashes=line_hashes(replica.layout.lines()))
     for probe in (replica.model_probe, []):  # the same, or none (a model without floating output): joins
         config.model_probe[:] = probe
