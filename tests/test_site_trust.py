@@ -498,6 +498,27 @@ def test_the_model_probe_from_the_wire_is_checked_and_leaves_the_model_as_it_was
         check_same_model(again, "0" * 16, [], replica.model_probe)
 
 
+class CategoryCodes(torch.nn.Module):
+    """A hospital's model reading float columns of category codes, and checking them."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.out = torch.nn.Embedding(4, 3), torch.nn.Linear(3, 2)
+
+    def forward(self, x):
+        if not torch.equal(x, x.round()):
+            raise ValueError("category codes expected")
+        return self.out(self.embed(x[:, 0].long()))
+
+
+def test_a_model_that_refuses_the_probes_input_is_probed_on_its_example():
+    from dadfl.model_identity import model_probe
+
+    example = torch.tensor([[0.0], [3.0]])
+    probe = model_probe(CategoryCodes(), example)
+    assert len(probe) == 4 and probe == model_probe(CategoryCodes(), example)
+
+
 # ---------------------------------------------------------------- hostile hellos and garbage at the coordinator
 
 
