@@ -50,13 +50,13 @@ MAX_LAYOUT_LINES = 16384  # a parameter, buffer or captured layer each; a larger
 MAX_IDENTITY_CHARS = 24 * MAX_LAYOUT_LINES + 32 * PROBE_VALUES  # Flower's header field, as JSON
 
 
-def _seeded_inputs(example: torch.Tensor | Sequence[torch.Tensor], generator: torch.Generator) -> tuple:
+def _seeded_inputs(example: tuple, generator: torch.Generator) -> tuple:
     """Floating inputs as seeded values in [0, 1): non-negative, so that a model reading a
     float column as an index or a mask still runs."""
     return tuple(
         torch.rand(t.shape, generator=generator, dtype=torch.float64).to(device=t.device, dtype=t.dtype)
         if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-        for t in as_args(example)
+        for t in example
     )
 
 
@@ -73,16 +73,24 @@ def _seeded_parameters(model: nn.Module, generator: torch.Generator) -> dict[str
 
 @torch.no_grad()
 def model_probe(model: nn.Module, example: torch.Tensor | Sequence[torch.Tensor]) -> list[float]:
-    """What ``model`` computes on ``example`` with seeded parameters, as at most PROBE_VALUES chunk means."""
+    """What ``model`` computes on ``example`` with seeded parameters, as at most PROBE_VALUES
+    chunk means. Run on the freshly built model, where it was built (the CPU, unless the
+    workload's code moves it): a site's GPU then rounds no differently from the coordinator's
+    CPU. The global random state is seeded for the probe and restored after it, so a model
+    that draws noise even in eval mode (Monte Carlo dropout) probes alike everywhere."""
+    device = next(iter(model.parameters()), torch.empty(0)).device
+    example = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in as_args(example))
     modes = [(module, module.training) for module in model.modules()]
     model.eval()
     try:
-        generator = torch.Generator().manual_seed(PROBE_SEED)
-        parameters, inputs = _seeded_parameters(model, generator), _seeded_inputs(example, generator)
-        try:
-            output = functional_call(model, parameters, inputs)
-        except Exception:  # the model refuses such input: the example itself, which the layout's probe runs too
-            output = functional_call(model, parameters, as_args(example))
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(PROBE_SEED)
+            generator = torch.Generator().manual_seed(PROBE_SEED)
+            parameters, inputs = _seeded_parameters(model, generator), _seeded_inputs(example, generator)
+            try:
+                output = functional_call(model, parameters, inputs)
+            except Exception:  # the model refuses such input: the example itself, which the layout's probe runs too
+                output = functional_call(model, parameters, example)
     finally:
         for module, training in modes:
             module.training = training

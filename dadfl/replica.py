@@ -64,9 +64,11 @@ class Replica:
     probe: bool = True
 
     def __post_init__(self) -> None:
-        self.model = self.workload.build_model().to(self.device)
+        model = self.workload.build_model()
+        # Before any weights are loaded, and where the model was built: the same on every device.
+        self.model_probe = model_probe(model, self.workload.example()) if self.probe else None
+        self.model = model.to(self.device)
         example = self.workload.example().to(self.device)
-        self.model_probe = model_probe(self.model, example) if self.probe else None  # before any weights are loaded
         # FedAvg and DiLoCo apply the round's mean delta with their own outer optimizer.
         outer = self.strategy.outer_optimizer(self.model.parameters())
         self.optimizer = outer if outer is not None else self.optimizer_config.build(self.model.parameters())

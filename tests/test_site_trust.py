@@ -511,12 +511,29 @@ class CategoryCodes(torch.nn.Module):
         return self.out(self.embed(x[:, 0].long()))
 
 
-def test_a_model_that_refuses_the_probes_input_is_probed_on_its_example():
+class AlwaysDropout(torch.nn.Module):
+    """Monte Carlo dropout: noise even in eval mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden, self.out = torch.nn.Linear(8, 16), torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.out(torch.nn.functional.dropout(torch.relu(self.hidden(x)), 0.5, training=True))
+
+
+def test_models_that_refuse_the_probes_input_or_draw_noise_probe_alike_every_time():
+    """Category codes that the model checks: probed on the example as it is. Dropout in eval
+    mode: the probe seeds the random state and restores it (nothing else's draws change)."""
     from dadfl.model_identity import model_probe
 
     example = torch.tensor([[0.0], [3.0]])
     probe = model_probe(CategoryCodes(), example)
     assert len(probe) == 4 and probe == model_probe(CategoryCodes(), example)
+    first, second = AlwaysDropout(), AlwaysDropout()
+    state = torch.get_rng_state()
+    assert model_probe(first, torch.zeros(4, 8)) == model_probe(second, torch.zeros(4, 8))
+    assert torch.equal(torch.get_rng_state(), state)
 
 
 # ---------------------------------------------------------------- hostile hellos and garbage at the coordinator
