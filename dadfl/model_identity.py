@@ -18,10 +18,13 @@ run config also carries what the coordinator's model computes, and the site comp
   function; the probe runs on the freshly built model, before a checkpoint is loaded;
 * the floating outputs, flattened, are cut into at most ``PROBE_VALUES`` contiguous
   chunks and each sends its mean: a bounded message whatever the output's size;
+* the probe runs where ``build_model`` put the model (the CPU, unless the workload's code
+  moves it), before the replica moves it to its device, and with the global random state
+  seeded (then restored);
 * the two probes must agree within a relative distance of ``PROBE_TOLERANCE``, not
-  exactly: another CPU or a GPU rounds differently (CUDA's TF32 convolutions by about
-  1e-3), where a changed activation moves them by 5 to 25 per cent (an MLP on the digits
-  example, ReLU against tanh 0.22, SiLU 0.11, GELU 0.066).
+  exactly: another kind of CPU rounds differently, and a model built on a GPU more so
+  (CUDA's TF32 convolutions by about 1e-3), where a changed activation moves them by 5 to
+  25 per cent (an MLP on the digits example, ReLU against tanh 0.22, SiLU 0.11, GELU 0.066).
 
 It does not see what only training mode does (a dropout rate), a different loss, or a
 change below the tolerance (LeakyReLU(0.01) for ReLU: 0.003). A model whose output holds
