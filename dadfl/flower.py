@@ -189,7 +189,7 @@ REPLY_FIELDS: dict[str, dict[str, type]] = {
 # The header fields of the server's messages.
 STEP_FIELDS = {
     "step": int, "attempt": int, "phase": int, "num_samples": int, "settings": str, "partition_index": int, "fingerprint": str, "layout": str,
-    "model": str,  # model_identity.identity_text: the layout's line hashes and the model probe
+    "model": str,  # model_identity.identity_text (step 0 and with a full state; else empty)
 }
 PHASE_FIELDS = {"step": int, "phase": int, "num_samples": int, "attempt": int}
 NUMPY_DTYPES = {np.dtype(torch.empty(0, dtype=d).numpy().dtype): d for d in DTYPES if d != torch.bfloat16}
@@ -590,6 +590,8 @@ def handle_step(message: Message, context: Context) -> Message:
     if node.replica.model_probe is None:  # restored: its model was checked against this layout when built
         if fields["layout"] != node.layout:
             raise Refused(f"the server's layout {printable(fields['layout'])} changed within one run's settings (was {node.layout})")
+    elif not fields["model"]:  # built afresh (its state is lost) from a message that cannot check it: ask for the state
+        return _reply(message, NEED_STATE, fingerprint=weights_fingerprint(node.replica.model))
     else:  # built by this message: check it is the server's model
         try:
             line_hashes, probe = read_identity_text(fields["model"])
@@ -670,7 +672,10 @@ class FlowerCoordinator:
         torch.set_num_threads(self.config.threads)
         self.strategy = make_strategy(self.spec.name, **self.spec.options)
         device = resolve_device(self.config.device)
-        self.replica = Replica(workload_for(self.config), self.strategy, self.config.optimizer, device)
+        self.replica = Replica(workload_for(self.config), self.strategy, self.config.optimizer, device, probe=True)
+        # Sent only where nodes build their replica afresh (step 0, a full state): JSON of 0.6 KB
+        # (digits MLP) to 6.6 KB (char transformer), too much for every step.
+        self.model_identity = identity_text(self.replica.layout.lines(), self.replica.model_probe)
         self.server_half = self.strategy.server(self.replica.layout, self.replica.model)
         self.screening = Screening(self.replica, bounds.max_influence_ratio, bounds.max_update_norm)
         self.fingerprint = weights_fingerprint(self.replica.model)
@@ -807,10 +812,11 @@ class FlowerCoordinator:
 
     def step_content(self, step: int, attempt: int, with_state: bool) -> Callable[[int], RecordDict]:
         """The ``train.step`` content for the node at each position. With the full state (a
-        resync) every node rebuilds its replica and site half: strategy state restarts."""
+        resync) every node rebuilds its replica and site half: strategy state restarts. The
+        model identity goes where a node builds its replica afresh: step 0 and a full state."""
         state = record_from_tensors(state_payload(self.replica, step).tensors) if with_state else None
         layout = self.replica.layout.fingerprint()
-        model = identity_text(self.replica.layout.lines(), self.replica.model_probe)
+        model = self.model_identity if with_state or step == 0 else ""
 
         def content(position: int) -> RecordDict:
             header = ConfigRecord(

@@ -59,9 +59,9 @@ class Replica:
     # step's messages are the coordinator's dense noisy update (``dadfl/privacy.py``).
     max_grad_norm: float | None = None
     # Whether to note what the freshly built model computes (``model_probe``: dadfl/model_identity.py),
-    # for the check that a site runs the coordinator's model; off where that was checked already
-    # (a restored Flower node), and ``model_probe`` is then None.
-    probe: bool = True
+    # for the check that a site runs the coordinator's model: only the runtimes' coordinators and
+    # freshly built sites need it (``model_probe`` is None otherwise).
+    probe: bool = False
 
     def __post_init__(self) -> None:
         model = self.workload.build_model()

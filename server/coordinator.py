@@ -169,7 +169,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         self.eval_metrics = ("loss", workload.metric_name)
         self.strategy = make_strategy(config.strategy.name, **config.strategy.options)
         self.label = strategy_label(config.strategy.name, config.strategy.options, config.strategy.label)
-        self.replica = Replica(workload, self.strategy, config.optimizer)
+        self.replica = Replica(workload, self.strategy, config.optimizer, probe=True)
         self.layout = self.replica.layout
         self.codec = codec_id(config.wire.codec)
         federation = config.federation

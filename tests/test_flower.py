@@ -151,6 +151,9 @@ def test_a_node_with_another_model_is_refused_with_the_fix(tmp_path, task_identi
     with MetricsWriter(tmp_path / "metrics.jsonl") as metrics:
         coordinator = flower.FlowerCoordinator(flower.RunSettings(config, spec), grid, metrics)
         coordinator.nodes = coordinator.wait_for_nodes()
+        later = coordinator.step_content(1, 0, with_state=False)(0).config_records[flower.HEADER]
+        resync = coordinator.step_content(1, 1, with_state=True)(0).config_records[flower.HEADER]
+        assert later["model"] == "" and resync["model"] == coordinator.model_identity  # only where a node builds afresh
         content = coordinator.step_content(0, 0, with_state=False)
         replica = coordinator.replica
         lines, probe = replica.layout.lines(), replica.model_probe

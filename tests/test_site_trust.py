@@ -472,7 +472,7 @@ def test_the_model_probe_from_the_wire_is_checked_and_leaves_the_model_as_it_was
     from dadfl.strategies import make_strategy
 
     workload = load_workload("char-gru")
-    replica = Replica(workload, make_strategy("dad"), OptimizerConfig())
+    replica = Replica(workload, make_strategy("dad"), OptimizerConfig(), probe=True)
     before = {name: t.clone() for name, t in replica.model.state_dict().items()}
     assert replica.model.training and len(replica.model_probe) == PROBE_VALUES
 
@@ -483,7 +483,7 @@ def test_the_model_probe_from_the_wire_is_checked_and_leaves_the_model_as_it_was
                 param.add_(torch.randn_like(param))
         return model
 
-    again = Replica(replace(workload, build_model=other_initial_weights), make_strategy("dad"), OptimizerConfig())
+    again = Replica(replace(workload, build_model=other_initial_weights), make_strategy("dad"), OptimizerConfig(), probe=True)
     assert again.model_probe == replica.model_probe  # the probe does not depend on the weights a site starts from
     config = cpb.RunConfig(layout_fingerprint=replica.layout.fingerprint(), layout_line_hashes=line_hashes(replica.layout.lines()))
     for probe in (replica.model_probe, []):  # the same, or none (a model without floating output): joins
