@@ -34,6 +34,7 @@ import torch
 from dadfl.replica import OptimizerConfig, Replica
 from dadfl.simulation import StrategySpec
 from dadfl.strategies import exchange, make_strategy
+from dadfl.strategies.quantize import FULL_PRECISION
 from dadfl.workloads import load_workload
 
 FLOAT_BYTES = 4
@@ -94,14 +95,30 @@ class Breakdown:
         )
         return self.always_dense + weights + matrices
 
+    def low_rank_bytes(self, rank: int, raw_input_dense: bool = False, factor_bits: int = FULL_PRECISION) -> float:
+        """Bytes per site per direction of :meth:`low_rank`, with the factors' entries at
+        ``factor_bits`` each plus one float scale per factor column (``strategies/quantize.py``)
+        below full precision; what travels dense stays floats."""
+        floats = self.low_rank(rank, raw_input_dense)
+        if factor_bits == FULL_PRECISION:
+            return FLOAT_BYTES * floats
+        factored = [(layer.k + (layer.bias > 0), layer.groups * layer.m) for layer in self.layers
+                    if not (raw_input_dense and layer.raw_input)]
+        if not raw_input_dense:
+            factored += [(k, m) for m, k in self.uncovered_matrices.values() if min(rank, m, k) * (m + k) < m * k]
+        entries = sum(min(rank, k, m) * (k + m) for k, m in factored)
+        scales = sum(2 * min(rank, k, m) for k, m in factored)
+        return FLOAT_BYTES * (floats - entries + scales) + entries * factor_bits / 8
+
     @property
     def bound_rank_zero(self) -> float:
         """dSGD bytes over the always-dense bytes: the bound as r → 0 (∞ when nothing is always dense)."""
         return self.dense / self.always_dense if self.always_dense else math.inf
 
-    def bound(self, rank: int, raw_input_dense: bool = False) -> float:
-        """dSGD bytes over rank-r bytes per step: no rank-r method compresses more."""
-        return self.dense / self.low_rank(rank, raw_input_dense)
+    def bound(self, rank: int, raw_input_dense: bool = False, factor_bits: int = FULL_PRECISION) -> float:
+        """dSGD bytes over rank-r bytes per step: no rank-r method with factors of ``factor_bits``
+        compresses more."""
+        return FLOAT_BYTES * self.dense / self.low_rank_bytes(rank, raw_input_dense, factor_bits)
 
 
 def breakdown(workload: str, options: dict) -> Breakdown:

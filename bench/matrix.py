@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
 
 from dadfl.simulation import StrategySpec
+from dadfl.strategies.quantize import FULL_PRECISION
 
 RANKS = (1, 2, 4, 8)
 HEADLINE_SITES = 4  # each workload is judged on its 4-site IID group
@@ -74,6 +75,9 @@ class WorkloadSetting:
     # behind it per step never reaches the target within the same budget, and its bytes to
     # target would go unmeasured rather than be large.
     catch_up: int = 1
+    # rank-dAD's and PowerSGD's factors as ``factor_bits``-bit codes with a scale per column
+    # (``strategies/quantize.py``); 32: floats, as everywhere else.
+    factor_bits: int = FULL_PRECISION
 
     def __post_init__(self) -> None:
         # The final metric of a strategy that runs on is read at ``steps``: that step must be on
@@ -115,11 +119,13 @@ def slug(text: str) -> str:
 
 def strategy_specs(
     feed_forward: bool, ranks: tuple[int, ...] = RANKS, seed: int = 0, exact: bool = True, ablation: bool = True,
-    local_steps: bool = False,
+    local_steps: bool = False, factor_bits: int = FULL_PRECISION,
 ) -> list[StrategySpec]:
     """dsgd; dad, auto, edad (feed-forward only) when ``exact``; rank-dAD with its defaults
     (error feedback, server re-reduction) and, with ``ablation``, without error feedback;
-    PowerSGD — every rank in ``ranks``; FedAvg and DiLoCo with ``local_steps``."""
+    PowerSGD — every rank in ``ranks``, their factors of ``factor_bits`` (labelled below 32);
+    FedAvg and DiLoCo with ``local_steps``."""
+    bits, suffix = ({}, "") if factor_bits == FULL_PRECISION else ({"factor_bits": factor_bits}, f" {factor_bits}-bit")
     specs = [StrategySpec(name="dsgd")]
     if exact:
         specs += [StrategySpec(name="dad"), StrategySpec(name="auto")]
@@ -128,15 +134,15 @@ def strategy_specs(
     for rank in ranks:
         for error_feedback in (True, False) if ablation else (True,):
             options = {"rank": rank, "error_feedback": error_feedback, "reduce_on_server": True,
-                       "raw_input": RANKDAD_RAW_INPUT, "seed": seed}
-            label = f"rankdad r={rank}" + ("" if error_feedback else " no EF")
+                       "raw_input": RANKDAD_RAW_INPUT, "seed": seed, **(bits if error_feedback else {})}
+            label = f"rankdad r={rank}" + (suffix if error_feedback else " no EF")
             specs.append(StrategySpec(name="rankdad", options=options, label=label))
     for rank in ranks:
         specs.append(
             StrategySpec(
                 name="powersgd",
-                options={"rank": rank, "start_iter": POWERSGD_START_ITER, "seed": seed},
-                label=f"powersgd r={rank}",
+                options={"rank": rank, "start_iter": POWERSGD_START_ITER, "seed": seed, **bits},
+                label=f"powersgd r={rank}{suffix}",
             )
         )
     if local_steps:
@@ -155,7 +161,8 @@ def cells(settings: list[WorkloadSetting], ranks: tuple[int, ...] = RANKS, exact
         for sites in setting.sites:
             for partition in setting.partitions:
                 for seed in setting.seeds:
-                    for spec in strategy_specs(setting.feed_forward, ranks, seed, exact, setting.ablation, setting.local_steps):
+                    for spec in strategy_specs(setting.feed_forward, ranks, seed, exact, setting.ablation, setting.local_steps,
+                                               setting.factor_bits):
                         found.append(Cell(setting, sites, partition, seed, spec))
     return sorted(
         found,
@@ -233,6 +240,19 @@ DOMINANCE_SEEDS = tuple(range(8))
 DOMINANCE: list[WorkloadSetting] = [
     replace(setting, sites=(HEADLINE_SITES,), partitions=("iid",), seeds=DOMINANCE_SEEDS, eval_every=5, ablation=False)
     for setting in FULL if setting.purpose == "matrix"
+]
+
+# ``--preset integer-factors``: the two settings judged on the ≥100× target with rank-dAD's
+# and PowerSGD's factors as 8-bit codes (one float scale per column, the rounding carried
+# by the error memories), both at ranks 2 and 4 (rank 1 reached the 3.5M transformer's
+# target for neither as floats); 4 sites, IID, the seeds of the full matrix. dSGD sets the
+# target as there.
+INTEGER_BITS = 8
+INTEGER_RANKS = (2, 4)
+INTEGER_FACTORS: list[WorkloadSetting] = [
+    replace(setting, partitions=("iid",), factor_bits=INTEGER_BITS, ablation=False, local_steps=False,
+            note=f"{setting.note}; factors as {INTEGER_BITS}-bit codes")
+    for setting in FULL if setting.ratio_target
 ]
 
 # The setting the real-links and compute benchmarks run on: ≥1M parameters, rank-dAD's ≥100× target.

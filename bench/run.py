@@ -33,6 +33,10 @@ PRESETS = {
     "full": (matrix.FULL, matrix.RANKS, True, FULL_OUT, DOCS),
     "rankdad-ef": (matrix.RANKDAD_EF, matrix.EF_RANKS, False, Path("bench/results/rankdad-ef"), DOCS / "rankdad-ef"),
     "dominance": (matrix.DOMINANCE, matrix.RANKS, False, Path("bench/results/dominance"), DOCS / "dominance"),
+    "integer-factors": (
+        matrix.INTEGER_FACTORS, matrix.INTEGER_RANKS, False, Path("bench/results/integer-factors"),
+        DOCS / "integer-factors",
+    ),
 }
 LINKS, PEERS = "links.json", "peers.json"
 

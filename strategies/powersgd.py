@@ -37,6 +37,12 @@ differences: sites are weighted n_s/N (the hook averages ranks; equal for equal
 batches), and dense tensors carry no error memory — in the hook their error
 e_s = M_s − mean(M) sums to zero over sites, so the mean it sends is unchanged.
 
+Integer factors (``factor_bits`` 8 or 16, error feedback only): every P and Q, up and
+down, travels as integer codes with one float scale per column (``quantize.py``), a
+quarter of the bytes at 8 bits; dense tensors stay float. The memory needs no change:
+it already subtracts P̂ Qᵀ as every replica decodes it, so whatever the rounding (of the
+sites' P_s and Q_s, or of P̂ and Q) changes in the update stays in the memories.
+
 Cost per compressed matrix (floats, r = min(rank, n, m)), two round trips per step:
     up   = r·(n + m)   per site (r·n in phase 0, r·m in phase 1)
     down = r·(n + m)   (P̂, then Q)
@@ -77,6 +83,7 @@ from .base import (
 from .checks import Form, Spec, Unit, sq_norm
 from .layout import Layout
 from .power_iteration import thin_product
+from .quantize import FULL_PRECISION, Quantized, check_factor_bits, factor_entries, quantize, quantized_specs, unpack
 
 SEED_RANGE = 1_000_000_000  # the hook draws torch seeds with RandomState.randint(1_000_000_000)
 
@@ -243,8 +250,13 @@ class PowerSGDSite:
             if self.options.use_error_feedback and matrix.name in self.errors:
                 M = M + self.errors[matrix.name]
             self.M[matrix.name] = M
-            tensors[matrix.p_key] = self._product(M, qs[matrix.name])
+            tensors.update(self._factor(matrix.p_key, self._product(M, qs[matrix.name])))
         return Payload(step, 0, local.num_samples, tensors)
+
+    def _factor(self, key: str, factor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Payload entries of one uploaded factor: floats, or codes and scale (``factor_bits``).
+        The memory needs no correction: it subtracts the global P̂ Qᵀ as every replica decodes it."""
+        return factor_entries(key, self.options.wire(factor))
 
     @staticmethod
     def _product(M: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
@@ -268,9 +280,12 @@ class PowerSGDSite:
     def receive(self, message: Payload) -> Payload | None:
         if not self.options.compresses(self.step):
             return None
+        message = unpack(message)
         if message.phase == 0:
             self.p_hat = {m.name: message.tensors[m.p_key] for m in self.plan.matrices}
-            tensors = {m.q_key: self._product(self.M[m.name].transpose(0, 1), self.p_hat[m.name]) for m in self.plan.matrices}
+            tensors = {}
+            for m in self.plan.matrices:
+                tensors.update(self._factor(m.q_key, self._product(self.M[m.name].transpose(0, 1), self.p_hat[m.name])))
             return Payload(self.step, 1, self.num_samples, tensors)
         for matrix in self.plan.matrices:
             q = message.tensors[matrix.q_key]
@@ -318,17 +333,21 @@ class PowerSGDServer(Stateless):
         self.plan = plan(layout, strategy.rank, strategy.min_compression_rate)
 
     def aggregate(self, payloads: Sequence[Payload]) -> Payload:
+        payloads = [unpack(p) for p in payloads]
         first = payloads[0]
         total = sum(p.num_samples for p in payloads)
+        wire = self.options.wire
         if not self.options.compresses(first.step):
             tensors = dense_aggregate(payloads, self.layout.params, self.layout.buffers)
         elif first.phase == 0:
             tensors = dense_aggregate(payloads, self.plan.dense, self.layout.buffers)
             for matrix in self.plan.matrices:
                 P = self._weighted_mean(payloads, matrix.p_key, total)
-                tensors[matrix.p_key] = orthogonalize(P, self.options.orthogonalization_epsilon)
+                tensors.update(factor_entries(matrix.p_key, wire(orthogonalize(P, self.options.orthogonalization_epsilon))))
         else:
-            tensors = {m.q_key: self._weighted_mean(payloads, m.q_key, total) for m in self.plan.matrices}
+            tensors = {}
+            for m in self.plan.matrices:
+                tensors.update(factor_entries(m.q_key, wire(self._weighted_mean(payloads, m.q_key, total))))
         return Payload(first.step, first.phase, total, tensors)
 
     @staticmethod
@@ -347,6 +366,7 @@ class PowerSGD(Strategy):
     warm_start: bool = True
     orthogonalization_epsilon: float = 0.0
     seed: int = 0
+    factor_bits: int = FULL_PRECISION
     name = "powersgd"
     needs_factors = False
 
@@ -359,6 +379,11 @@ class PowerSGD(Strategy):
             raise ValueError(f"powersgd: min_compression_rate={self.min_compression_rate} must be >= 0")
         if self.orthogonalization_epsilon < 0:
             raise ValueError(f"powersgd: orthogonalization_epsilon={self.orthogonalization_epsilon} must be >= 0")
+        check_factor_bits("powersgd", self.factor_bits, self.use_error_feedback)
+
+    def wire(self, factor: torch.Tensor) -> torch.Tensor | Quantized:
+        """A factor as it travels: itself, or its ``factor_bits``-bit codes and scale."""
+        return factor if self.factor_bits == FULL_PRECISION else quantize(factor, self.factor_bits)
 
     def compresses(self, step: int) -> bool:
         """Whether ``step`` is compressed (two phases) or a dense warm-up step (one)."""
@@ -385,12 +410,14 @@ class PowerSGD(Strategy):
             return None
         for matrix in plan_.matrices:
             key = tensor_key(matrix.name, role)
-            units.append(Unit(matrix.name, (Form(f"{role} factor", {key: Spec((rows(matrix), matrix.r), facts.params[matrix.name][1])}),)))
+            specs = quantized_specs({key: Spec((rows(matrix), matrix.r), facts.params[matrix.name][1])}, self.factor_bits)
+            units.append(Unit(matrix.name, (Form(f"{role} factor", specs),)))
         return units
 
     def contribution(self, layout: Layout, payload: Payload, messages_so_far, model=None) -> dict[str, float]:
         """Mean units: dense gradients / n_s and P_s (phase 0); Q_s (phase 1), whose norm is
         that of P̂ Q_sᵀ since P̂ has orthonormal columns."""
+        payload = unpack(payload)
         update = buffers = 0.0
         for key, tensor in payload.tensors.items():
             role = split_key(key)[1]
@@ -403,4 +430,4 @@ class PowerSGD(Strategy):
         return {"update": math.sqrt(update), "buffers": math.sqrt(buffers)}
 
     def decode(self, layout: Layout, messages: Sequence[Payload], model=None) -> dict[str, torch.Tensor]:
-        return decode_powersgd(plan(layout, self.rank, self.min_compression_rate), messages)
+        return decode_powersgd(plan(layout, self.rank, self.min_compression_rate), [unpack(m) for m in messages])

@@ -104,7 +104,18 @@ reaches it after 180 steps folded against 150 (IID) and 160 (Dirichlet(0.5)) apa
 single seeds anywhere from 110 to 190; its bytes to target still fall, 29.9 → 24.0 MB
 (IID) and 31.9 → 24.0 MB (Dirichlet).
 
-Exact when r ≥ the rank of every compressed matrix; at full rank
+**Integer factors** (``factor_bits`` 8 or 16, error feedback only). Each factor a site
+or the server sends travels as integer codes with one float scale per column
+(``quantize.py``): at 8 bits r'·(k' + m) bytes plus 8·r' for the scales instead of
+4·r'·(k' + m), a quarter; what travels dense (norms, the privacy guard's layers) stays
+float. The rounding error is fed back like what rank r drops: the site's memory is
+e_s ← M_s − P̄_s Q̄_sᵀ / n_s with P̄_s, Q̄_s what the codes decode to (n_s·P̃_s is rounded,
+as sent), and the server's E ← X − P̄ Q̄ᵀ / N, so every replica's update plus the memories
+still adds up to the gradients (``tests/test_integer_factors.py``). A concatenated
+downlink rounds each site's decoded factors again, one scale per column. Not exact at
+any rank: full rank with integer factors leaves the rounding in the memories.
+
+Exact when r ≥ the rank of every compressed matrix and factors are floats; at full rank
 (r ≥ min(m, k)) the memories stay at rounding level and every step is exact to fp32.
 ``tol`` > 0 drops components below tol·σ_max (the memories keep them). Components
 beyond min(r, m, k) do not exist: that is the rank sent (r' below).
@@ -134,8 +145,9 @@ the envelope ≥ PowerSGD's 62% → 82%; Dirichlet(0.5) 1.89 → 2.08 MB (1.89 M
 24%: stacked r=1 needs 170 steps where per group needs 130. Neither form wins on both
 splits, so each block keeps its own factors by default.
 
-Cost per compressed matrix (floats; G groups, k in and m out per group, k' = k + 1 with
-a folded bias, else k; r' = min(r, m, k'), S sites), one round trip per step:
+Cost per compressed matrix (floats, at 8 bits a quarter of the factors' bytes plus the
+scales; G groups, k in and m out per group, k' = k + 1 with a folded bias, else k;
+r' = min(r, m, k'), S sites), one round trip per step:
     up   = G·r'·(k' + m)                                 per site (+ G·m: a bias apart)
     down = G·r'·(k' + m)        with reduce_on_server (default)
          = G·S·r'·(k' + m)      concatenated factors
@@ -156,7 +168,7 @@ raw input travel as dense gradients unless ``raw_input`` is "low_rank" or
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -183,6 +195,9 @@ from .base import (
 from .checks import RANK, Form, Spec, Unit, all_finite, layerwise_contribution
 from .layout import CapturedLayer, Layout
 from .power_iteration import Lookups, LowRank, dense_power_iteration, effective_rank, make_generator, power_iteration, reduce_sum
+from .quantize import FULL_PRECISION, Quantized, check_factor_bits, factor_entries, quantize, quantized_specs, unpack
+
+Factor = torch.Tensor | Quantized  # a factor as it is sent: floats, or codes and scale (``quantize.py``)
 
 EFFECTIVE_RANK_RTOL = 1e-3  # describe(): components above this fraction of the largest
 
@@ -239,15 +254,17 @@ class Compressed:
             entries[tensor_key(self.bias, GRAD_ROLE)] = M[..., -1].reshape(-1)
         return entries
 
-    def factors(self, P: torch.Tensor, Q: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Payload entries of (G, m, r) and (G, k, r) factors; an uncovered parameter's are 2-D,
-        (m, r) and (k, r), as PowerSGD sends a parameter's."""
+    def factors(self, P: Factor, Q: Factor) -> dict[str, torch.Tensor]:
+        """Payload entries of (G, m, r) and (G, k, r) factors, floats or integer codes with
+        their scales; an uncovered parameter's are 2-D, (m, r) and (k, r), as PowerSGD sends
+        a parameter's."""
         if self.layer is None:
-            P, Q = P[0], Q[0]
-        return {tensor_key(self.key, "P"): P, tensor_key(self.key, "Q"): Q}
+            P, Q = (Quantized(F.codes[0], F.scale[0]) if isinstance(F, Quantized) else F[0] for F in (P, Q))
+        return {**factor_entries(tensor_key(self.key, "P"), P), **factor_entries(tensor_key(self.key, "Q"), Q)}
 
     def read(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(G, m, r) and (G, k, r) factors of this matrix in ``payload``, or None if absent."""
+        """(G, m, r) and (G, k, r) factors of this matrix in ``payload`` (unpacked: floats), or
+        None if absent."""
         P, Q = payload.tensors.get(tensor_key(self.key, "P")), payload.tensors.get(tensor_key(self.key, "Q"))
         if P is None or Q is None:
             return None
@@ -303,13 +320,21 @@ def with_memory(G: torch.Tensor, scale: float, memory: torch.Tensor | None) -> t
     return G * scale if memory is None else torch.add(memory, G, alpha=scale)
 
 
-def compress_dense(M: torch.Tensor, rank: int, keep_residual: bool, **passes) -> tuple[LowRank, torch.Tensor | None]:
-    """Rank-``rank`` factors of a dense M (G, m, k) and, with ``keep_residual``, the new error
-    memory M − P Qᵀ written into M, which the caller made for it (no second m × k tensor)."""
+def compress_dense(
+    M: torch.Tensor, rank: int, keep_residual: bool, units: int, bits: int = FULL_PRECISION, **passes,
+) -> tuple[LowRank, Factor, Factor, torch.Tensor | None]:
+    """Rank-``rank`` factors of a dense M (G, m, k) in mean units; the P and Q to send, P
+    in sum units (× ``units``), rounded to ``bits``-bit codes below full precision; and, with
+    ``keep_residual``, the new error memory M − P Qᵀ of what the receivers decode, written
+    into M, which the caller made for it (no second m × k tensor)."""
     result = dense_power_iteration(M, rank, **passes)
-    if not keep_residual:
-        return result, None
-    return result, M.baddbmm_(result.P, result.Q.transpose(1, 2), alpha=-1)
+    if bits == FULL_PRECISION:
+        P, Q = result.P * units, result.Q
+        residual = M.baddbmm_(result.P, result.Q.transpose(1, 2), alpha=-1) if keep_residual else None
+        return result, P, Q, residual
+    P, Q = quantize(result.P * units, bits), quantize(result.Q, bits)
+    residual = M.baddbmm_(P.value(), Q.value().transpose(1, 2), alpha=-1.0 / units) if keep_residual else None
+    return result, P, Q, residual
 
 
 class _Generators:
@@ -426,10 +451,13 @@ class RankDADSite:
             if M is None:  # this batch did not reach it: a zero gradient, as PowerSGD counts it
                 like = memory if memory is not None else next(iter(local.grads.values()), None)
                 M = with_memory(torch.zeros(shape) if like is None else like.new_zeros(shape), 1.0 / n, memory)
-            result, residual = compress_dense(M, options.rank, options.error_feedback,
-                                              generator=state.generators.on(M.device), **passes)
+            result, P, Q, residual = compress_dense(M, options.rank, options.error_feedback, n, options.factor_bits,
+                                                    generator=state.generators.on(M.device), **passes)
             if residual is not None:
                 state.errors[target.key] = residual
+            if options.warm_start:
+                state.warm[target.key] = result.Q
+            return target.factors(P, Q)
         if options.warm_start:
             state.warm[target.key] = result.Q
         return target.factors(result.P * n, result.Q)
@@ -441,6 +469,7 @@ class RankDADSite:
         not finite, leaves the site's own Q in place."""
         if not (self.options.warm_start and self.options.shared_warm_start):
             return None
+        message = unpack(message)
         for target in self.plan.matrices:
             factors = target.read(message)
             if factors is None:
@@ -469,6 +498,7 @@ class RankDADServer:
         self.state = _Memories(strategy.seed)
 
     def aggregate(self, payloads: Sequence[Payload]) -> Payload:
+        payloads = [unpack(p) for p in payloads]
         total = sum(p.num_samples for p in payloads)
         tensors = dense_aggregate(payloads, self.plan.dense_params, self.layout.buffers)
         # A site whose batch never reached a layer sends no gradient for it: it adds nothing.
@@ -504,19 +534,26 @@ class RankDADServer:
             return target.dense(mean, with_bias)
         Ps, Qs = [f[0] for f in factors], [f[1] for f in factors]
         if not options.reduce_on_server or (memory is None and sum(P.shape[-1] for P in Ps) <= options.rank):
-            return target.factors(torch.cat(Ps, dim=2), torch.cat(Qs, dim=2))
+            # Concatenated codes would need each site's scale: below full precision the
+            # decoded factors are rounded again, one scale per column (each column is one site's).
+            P, Q = torch.cat(Ps, dim=2), torch.cat(Qs, dim=2)
+            if options.factor_bits < FULL_PRECISION:
+                P, Q = quantize(P, options.factor_bits), quantize(Q, options.factor_bits)
+            return target.factors(P, Q)
         generator = state.generators.on(Ps[0].device)
         passes = dict(iterations=options.iterations, warm_start=state.warm.get(target.key), tol=options.tol)
         if options.error_feedback:  # the memory update needs X dense, so the passes run on it
             P, Q = torch.cat(Ps, dim=2), torch.cat(Qs, dim=2)
             X = torch.baddbmm(memory, P, Q.transpose(1, 2), alpha=1.0 / total) if memory is not None else (
                 torch.bmm(P, Q.transpose(1, 2)).div_(total))
-            result, state.errors[target.key] = compress_dense(X, options.rank, True, generator=generator, **passes)
+            result, P, Q, state.errors[target.key] = compress_dense(X, options.rank, True, total, options.factor_bits,
+                                                                    generator=generator, **passes)
         else:
             result = reduce_sum(Ps, Qs, options.rank, generator=generator, scale=1.0 / total, **passes)
+            P, Q = result.P * total, result.Q
         if options.warm_start:
             state.warm[target.key] = result.Q
-        return target.factors(result.P * total, result.Q)
+        return target.factors(P, Q)
 
     def state_dict(self) -> StateDict:
         return self.state.state_dict()
@@ -540,6 +577,7 @@ class RankDAD(Strategy):
     seed: int = 0
     bias_in_factors: bool = True
     stack_groups: bool = False
+    factor_bits: int = FULL_PRECISION
     name = "rankdad"
 
     def __post_init__(self) -> None:
@@ -553,6 +591,7 @@ class RankDAD(Strategy):
             raise ValueError("rankdad: stack_groups needs error_feedback=True (without it the passes run on each "
                              "group's A and Δ, one factorisation per group); drop stack_groups or turn error feedback on")
         check_raw_input(self.raw_input)
+        check_factor_bits("rankdad", self.factor_bits, self.error_feedback)
 
     def plan(self, layout: Layout) -> Plan:
         """What travels as factors: biases are folded in only with error feedback, whose
@@ -568,7 +607,7 @@ class RankDAD(Strategy):
 
     def decode(self, layout: Layout, messages: Sequence[Payload], model=None) -> dict[str, torch.Tensor]:
         """Captured layers as ``decode_message`` does; compressed uncovered parameters: P Qᵀ / N."""
-        message = messages[-1]
+        message = unpack(messages[-1])
         update = decode_message(layout, message)
         for target in self.plan(layout).matrices:
             factors = target.read(message) if target.layer is None else None
@@ -598,18 +637,20 @@ class RankDAD(Strategy):
                     tensor_key(target.key, "P"): Spec((target.m, RANK), dtype),
                     tensor_key(target.key, "Q"): Spec((target.k, RANK), dtype),
                 }, max_rank=max_rank),)
+            forms = tuple(replace(form, tensors=quantized_specs(form.tensors, self.factor_bits)) for form in forms)
             units.append(Unit(target.key, forms))
         return units
 
     def contribution(self, layout: Layout, payload: Payload, messages_so_far, model=None) -> dict[str, float]:
         """As the layer-wise measure, over every compressed matrix's factors (P in sum units)."""
+        payload = unpack(payload)
         pairs = [f for target in self.plan(layout).matrices if (f := target.read(payload))]
         return layerwise_contribution(layout, payload, low_rank=pairs)
 
     def describe(self, layout: Layout, messages: Sequence[Payload]) -> dict[str, float]:
         """``rank/<name>``: effective rank of each factored matrix's decoded update
         (components above 1e-3 of the largest), from the factors' small Gram matrices."""
-        message = messages[-1]
+        message = unpack(messages[-1])
         ranks = {}
         for target in self.plan(layout).matrices:
             factors = target.read(message)

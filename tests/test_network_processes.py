@@ -19,10 +19,12 @@ from dadfl.simulation import SimulationConfig, StrategySpec, simulate
         StrategySpec(name="edad", options={"downlink": "factors"}),
         StrategySpec(name="rankdad", options={"rank": 2, "raw_input": "low_rank"}),  # error feedback, re-reduction
         StrategySpec(name="powersgd", options={"rank": 2, "start_iter": 2}),
+        StrategySpec(name="rankdad", options={"rank": 2, "raw_input": "low_rank", "factor_bits": 8}),  # int8 codes
+        StrategySpec(name="powersgd", options={"rank": 2, "start_iter": 2, "factor_bits": 8}),
         StrategySpec(name="fedavg", options={"local_steps": 3}),  # uploads claim 3 batches of samples
         StrategySpec(name="diloco", options={"local_steps": 2, "inner_lr": 0.003}),
     ],
-    ids=lambda spec: spec.name,
+    ids=lambda spec: spec.name + (f"-{spec.options['factor_bits']}bit" if "factor_bits" in spec.options else ""),
 )
 def test_processes_train_exactly_like_the_in_process_simulation(tmp_path, spec):
     config = SimulationConfig(

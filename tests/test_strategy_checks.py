@@ -25,6 +25,8 @@ STRATEGIES = {  # label: (name, options)
     "rankdad-low-rank": ("rankdad", {"rank": 2, "raw_input": "low_rank", "reduce_on_server": False}),
     "rankdad-stacked": ("rankdad", {"rank": 2, "raw_input": "low_rank", "stack_groups": True}),  # digits-cnn: 2 groups
     "powersgd": ("powersgd", {"rank": 1, "start_iter": 0}),
+    "rankdad-8bit": ("rankdad", {"rank": 2, "raw_input": "low_rank", "factor_bits": 8}),
+    "powersgd-8bit": ("powersgd", {"rank": 1, "start_iter": 0, "factor_bits": 8}),
 }
 EXACT = ("dsgd", "dad", "auto", "edad")  # their contribution is the site's exact mean gradient norm
 WORKLOADS = {

@@ -1,0 +1,183 @@
+"""Integer factors (``factor_bits``): rank-dAD's and PowerSGD's P and Q sent as 8-bit codes
+with a scale per column, the rounding carried by the error memories, the bytes a quarter,
+the uploads checked like any other, replicas still bit-identical."""
+
+import pytest
+import torch
+
+from dadfl.metrics import MetricsWriter, read_metrics
+from dadfl.simulation import SimulationConfig, StrategySpec, simulate
+from dadfl.strategies import Layout, local_step, make_strategy, reference_update
+from dadfl.strategies.base import Payload, tensor_key
+from dadfl.strategies.checks import ModelFacts
+from dadfl.strategies.quantize import quantize, unpack
+from dadfl.strategies.step import exchange
+
+from model_zoo import build, per_sample_cross_entropy, site_batches
+
+SIZES = (6, 2, 4)
+
+
+def test_codes_decode_within_half_a_step_of_each_columns_scale():
+    factor = torch.randn(3, 50, 4, generator=torch.Generator().manual_seed(0))
+    factor[1, :, 2] = 0  # an all-zero column decodes to zero, not NaN
+    factor[2, :, 0] *= 1e-6  # a small column keeps its own scale
+    coded = quantize(factor, 8)
+    assert coded.codes.dtype == torch.int8 and coded.scale.shape == (3, 1, 4)
+    error = (coded.value() - factor).abs()
+    assert bool((error <= coded.scale / 2 * (1 + 1e-6)).all())
+    assert float(coded.value()[1, :, 2].abs().max()) == 0.0
+    assert float(coded.scale[2, 0, 0]) < 1e-5 * float(coded.scale[2, 0, 1])  # not rounded to zero by the others
+    assert int(coded.codes.abs().amax(dim=-2).min()) == 0 and int(coded.codes.abs().max()) == 127
+    assert quantize(factor, 16).codes.dtype == torch.int16
+
+
+def run(name, options, steps, bits):
+    """``steps`` exchanges on the MLP's fixed weights, a new batch each; returns what the
+    replicas decoded summed, the gradients summed, the halves and the last traffic."""
+    model = build("mlp")
+    layout = Layout.from_model(model, site_batches("mlp", sizes=SIZES)[0][0])
+    strategy = make_strategy(name, factor_bits=bits, **options)
+    sites, server = [strategy.site(layout, model) for _ in SIZES], strategy.server(layout, model)
+    updates, gradients = {}, {}
+    for step in range(steps):
+        batches = site_batches("mlp", sizes=SIZES, seed=step)
+        locals_ = [local_step(model, layout, per_sample_cross_entropy, x, y, capture=strategy.needs_factors)
+                   for x, y in batches]
+        messages, traffic = exchange(sites, server, locals_, step)
+        for key, value in strategy.decode(layout, messages, model).items():
+            updates[key] = updates.get(key, 0) + value
+        for key, value in reference_update(model, per_sample_cross_entropy, batches).items():
+            gradients[key] = gradients.get(key, 0) + value
+    return layout, strategy, sites, server, updates, gradients, messages, traffic
+
+
+@pytest.mark.parametrize("name,options", [
+    ("rankdad", {"rank": 1, "raw_input": "low_rank"}),
+    ("powersgd", {"rank": 1, "start_iter": 0}),
+])
+def test_the_memories_carry_the_rounding_so_no_update_is_lost(name, options):
+    """Sum of decoded updates + what the memories hold = sum of gradients, to float rounding:
+    each sender's memory subtracts what the receivers decode from the codes, not the factors
+    before rounding (8-bit rounding is ~1e-2 of each step, 1000× the tolerance)."""
+    total = sum(SIZES)
+    layout, strategy, sites, server, updates, gradients, messages, _ = run(name, options, 10, 8)
+    assert any(t.dtype == torch.int8 for m in messages for t in m.tensors.values()), "codes went down"
+    if name == "rankdad":
+        for layer in layout.layers:  # the bias folded in as the matrix's last column
+            def matrix(values):
+                return torch.cat((values[layer.weight].reshape(1, layer.out_per_group, -1),
+                                  values[layer.bias].reshape(1, -1, 1)), dim=2)
+            held = server.state.errors[layer.module] + sum(
+                site.state.errors[layer.module] * (n / total) for site, n in zip(sites, SIZES))
+            gap = matrix(updates) + held - matrix(gradients)
+            assert float(gap.norm()) <= 1e-5 * float(matrix(gradients).norm()), layer.module
+    else:
+        for matrix in sites[0].plan.matrices:
+            held = sum(site.errors[matrix.name] * (n / total) for site, n in zip(sites, SIZES)).reshape(matrix.shape)
+            gap = updates[matrix.name] + held - gradients[matrix.name]
+            assert float(gap.norm()) <= 1e-5 * float(gradients[matrix.name].norm()), matrix.name
+
+
+@pytest.mark.parametrize("name,options", [
+    ("rankdad", {"rank": 2, "raw_input": "low_rank"}),
+    ("powersgd", {"rank": 2, "start_iter": 0}),
+])
+def test_bytes_are_a_byte_per_factor_entry_plus_the_scales(name, options):
+    """Every float P and Q entry of the 32-bit run becomes one byte; each factor adds one
+    float scale per column; dense parts are unchanged."""
+    *_, messages32, traffic32 = run(name, options, 1, 32)
+    *_, messages8, traffic8 = run(name, options, 1, 8)
+    for phase, (m32, m8) in enumerate(zip(messages32, messages8)):
+        factor_entries = sum(t.numel() for k, t in m32.tensors.items() if k.endswith((":P", ":Q")))
+        columns = sum(t.shape[-1] * t[..., :1, :].numel() // t.shape[-1]
+                      for k, t in m32.tensors.items() if k.endswith((":P", ":Q")))
+        assert factor_entries > 0
+        expected = traffic32.up[phase][0] - 3 * factor_entries + 4 * columns
+        assert traffic8.up[phase] == [expected] * len(SIZES), phase
+        assert traffic8.down[phase] == traffic32.down[phase] - 3 * factor_entries + 4 * columns
+
+
+@pytest.mark.parametrize("name,options", [
+    ("rankdad", {"rank": 2, "raw_input": "low_rank"}),
+    ("powersgd", {"rank": 1, "start_iter": 0}),
+])
+def test_integer_uploads_are_checked_like_any_other(name, options):
+    """An honest 8-bit upload passes the strategy's own checks; a NaN scale, codes without
+    their scale, and float factors where codes were agreed are refused, each saying which
+    tensor; a coordinator's message with codes but no scale fails to decode with its name."""
+    model = build("mlp")
+    layout = Layout.from_model(model, site_batches("mlp", sizes=SIZES)[0][0])
+    facts = ModelFacts.from_model(model, layout)
+    strategy = make_strategy(name, factor_bits=8, **options)
+    x, y = site_batches("mlp", sizes=SIZES)[0]
+    payload = strategy.site(layout, model).begin(local_step(model, layout, per_sample_cross_entropy, x, y,
+                                                            capture=strategy.needs_factors), 0)
+
+    def refused(tensors):
+        upload = Payload(0, 0, payload.num_samples, tensors)
+        return [r.reason for r in strategy.check_uploads(layout, facts, 0, 0, [upload], [], model)]
+
+    assert refused(payload.tensors) == []
+    key = next(k for k, t in payload.tensors.items() if t.dtype == torch.int8)
+    scale = key + "_scale"
+    nan_scale = {**payload.tensors, scale: torch.full_like(payload.tensors[scale], float("nan"))}
+    assert "NaN" in refused(nan_scale)[0] and scale in refused(nan_scale)[0]
+    assert key in refused({k: t for k, t in payload.tensors.items() if k != scale})[0]
+    as_floats = unpack(payload).tensors
+    assert "_scale" in refused(as_floats)[0]  # names the form agreed: codes and their scales
+    with pytest.raises(ValueError, match="without their scale"):
+        unpack(Payload(0, 0, 1, {k: t for k, t in payload.tensors.items() if k != scale}))
+
+
+@pytest.mark.parametrize("name", ["rankdad", "powersgd"])
+def test_integer_factors_need_error_feedback_and_known_widths(name):
+    feedback = {"rankdad": "error_feedback", "powersgd": "use_error_feedback"}[name]
+    with pytest.raises(ValueError, match="needs error feedback"):
+        make_strategy(name, factor_bits=8, **{feedback: False})
+    with pytest.raises(ValueError, match="must be one of 8, 16, 32"):
+        make_strategy(name, factor_bits=12)
+
+
+@pytest.mark.parametrize("name,options", [
+    ("rankdad", {"rank": 1, "raw_input": "low_rank"}),
+    ("powersgd", {"rank": 1, "start_iter": 0}),
+])
+def test_simulation_replicas_stay_bit_identical_and_train(tmp_path, name, options):
+    """The simulation checks every replica's fingerprint after every step (a record is
+    written only when they agree); 8-bit factors train the character transformer, positions
+    and the tied embedding included, as far as 32-bit ones within a few points."""
+    finals = {}
+    for bits in (32, 8):
+        spec = StrategySpec(name=name, options={**options, "factor_bits": bits})
+        config = SimulationConfig(
+            workload="char-transformer", workload_options={"seq_len": 8, "d_model": 16, "layers": 1, "max_sequences": 400},
+            sites=3, batch_size=8, steps=30, eval_every=30, device="cpu", strategies=[spec],
+        )
+        with MetricsWriter(tmp_path / f"{bits}.jsonl") as metrics:
+            finals[bits] = simulate(config, spec, metrics)
+        assert [r["step"] for r in read_metrics(tmp_path / f"{bits}.jsonl")] == list(range(30))
+    assert finals[8]["bytes_up"] < 0.6 * finals[32]["bytes_up"]
+    assert abs(finals[8]["metric"] - finals[32]["metric"]) < 0.05, (finals[8]["metric"], finals[32]["metric"])
+
+
+@pytest.mark.parametrize("name,options", [
+    ("rankdad", {"rank": 2, "raw_input": "low_rank"}),
+    ("powersgd", {"rank": 2, "start_iter": 0}),
+])
+def test_the_benchmarks_cost_formula_counts_integer_factors_as_they_travel(tmp_path, name, options):
+    """``bench.costs``'s bytes per step at 8 bits (entries at a byte, a float scale per factor
+    column, the rest float) is what rank-dAD sends; PowerSGD sends its biases dense on top."""
+    from bench.costs import breakdown
+
+    parts = breakdown("digits-mlp", {"hidden": 16, "seed": 0})
+    spec = StrategySpec(name=name, options={**options, "factor_bits": 8})
+    config = SimulationConfig(workload="digits-mlp", workload_options={"hidden": 16}, sites=2, batch_size=8, steps=1,
+                              eval_every=1, device="cpu", strategies=[spec])
+    with MetricsWriter(tmp_path / "m.jsonl") as metrics:
+        sent = simulate(config, spec, metrics)["bytes_up_per_step"] / config.sites
+    # PowerSGD: each bias as m floats instead of one more factor row of r codes
+    biases, rank = sum(layer.bias for layer in parts.layers), options["rank"]
+    unfolded = 4 * biases - rank * len(parts.layers) if name == "powersgd" else 0
+    assert sent == parts.low_rank_bytes(rank, factor_bits=8) + unfolded
+    assert parts.low_rank_bytes(rank) == 4 * parts.low_rank(rank), "floats: as before"
