@@ -55,6 +55,8 @@ def assert_same_training(records, reference):
         # Two phases per compressed step; warm start and error feedback carried across steps,
         # with two Ray workers so a node's messages move between processes.
         ("powersgd:rank=2,start_iter=1", 2, 2),
+        # Integer factors: int8 codes and their scales as Flower arrays, up and down.
+        ("rankdad:rank=2,raw_input=low_rank,factor_bits=8", 2, 1),
         # Rounds of local steps; the AdamW moments carried in the half, which Flower pickles.
         ("diloco:local_steps=2,inner_lr=0.003", 2, 2),
     ],

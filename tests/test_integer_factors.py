@@ -8,7 +8,7 @@ import torch
 from dadfl.metrics import MetricsWriter, read_metrics
 from dadfl.simulation import SimulationConfig, StrategySpec, simulate
 from dadfl.strategies import Layout, local_step, make_strategy, reference_update
-from dadfl.strategies.base import Payload, tensor_key
+from dadfl.strategies.base import Payload
 from dadfl.strategies.checks import ModelFacts
 from dadfl.strategies.quantize import quantize, unpack
 from dadfl.strategies.step import exchange
