@@ -83,7 +83,7 @@ from .base import (
 from .checks import Form, Spec, Unit, sq_norm
 from .layout import Layout
 from .power_iteration import thin_product
-from .quantize import FULL_PRECISION, Quantized, check_factor_bits, factor_entries, quantize, quantized_specs, unpack
+from .quantize import FULL_PRECISION, check_factor_bits, factor_entries, quantized_specs, unpack
 
 SEED_RANGE = 1_000_000_000  # the hook draws torch seeds with RandomState.randint(1_000_000_000)
 
@@ -250,13 +250,8 @@ class PowerSGDSite:
             if self.options.use_error_feedback and matrix.name in self.errors:
                 M = M + self.errors[matrix.name]
             self.M[matrix.name] = M
-            tensors.update(self._factor(matrix.p_key, self._product(M, qs[matrix.name])))
+            tensors.update(factor_entries(matrix.p_key, self._product(M, qs[matrix.name]), self.options.factor_bits))
         return Payload(step, 0, local.num_samples, tensors)
-
-    def _factor(self, key: str, factor: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Payload entries of one uploaded factor: floats, or codes and scale (``factor_bits``).
-        The memory needs no correction: it subtracts the global P̂ Qᵀ as every replica decodes it."""
-        return factor_entries(key, self.options.wire(factor))
 
     @staticmethod
     def _product(M: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
@@ -285,7 +280,8 @@ class PowerSGDSite:
             self.p_hat = {m.name: message.tensors[m.p_key] for m in self.plan.matrices}
             tensors = {}
             for m in self.plan.matrices:
-                tensors.update(self._factor(m.q_key, self._product(self.M[m.name].transpose(0, 1), self.p_hat[m.name])))
+                Q = self._product(self.M[m.name].transpose(0, 1), self.p_hat[m.name])
+                tensors.update(factor_entries(m.q_key, Q, self.options.factor_bits))
             return Payload(self.step, 1, self.num_samples, tensors)
         for matrix in self.plan.matrices:
             q = message.tensors[matrix.q_key]
@@ -336,18 +332,18 @@ class PowerSGDServer(Stateless):
         payloads = [unpack(p) for p in payloads]
         first = payloads[0]
         total = sum(p.num_samples for p in payloads)
-        wire = self.options.wire
         if not self.options.compresses(first.step):
             tensors = dense_aggregate(payloads, self.layout.params, self.layout.buffers)
         elif first.phase == 0:
             tensors = dense_aggregate(payloads, self.plan.dense, self.layout.buffers)
             for matrix in self.plan.matrices:
                 P = self._weighted_mean(payloads, matrix.p_key, total)
-                tensors.update(factor_entries(matrix.p_key, wire(orthogonalize(P, self.options.orthogonalization_epsilon))))
+                P = orthogonalize(P, self.options.orthogonalization_epsilon)
+                tensors.update(factor_entries(matrix.p_key, P, self.options.factor_bits))
         else:
             tensors = {}
             for m in self.plan.matrices:
-                tensors.update(factor_entries(m.q_key, wire(self._weighted_mean(payloads, m.q_key, total))))
+                tensors.update(factor_entries(m.q_key, self._weighted_mean(payloads, m.q_key, total), self.options.factor_bits))
         return Payload(first.step, first.phase, total, tensors)
 
     @staticmethod
@@ -380,10 +376,6 @@ class PowerSGD(Strategy):
         if self.orthogonalization_epsilon < 0:
             raise ValueError(f"powersgd: orthogonalization_epsilon={self.orthogonalization_epsilon} must be >= 0")
         check_factor_bits("powersgd", self.factor_bits, self.use_error_feedback)
-
-    def wire(self, factor: torch.Tensor) -> torch.Tensor | Quantized:
-        """A factor as it travels: itself, or its ``factor_bits``-bit codes and scale."""
-        return factor if self.factor_bits == FULL_PRECISION else quantize(factor, self.factor_bits)
 
     def compresses(self, step: int) -> bool:
         """Whether ``step`` is compressed (two phases) or a dense warm-up step (one)."""

@@ -72,11 +72,13 @@ def quantize(factor: torch.Tensor, bits: int) -> Quantized:
     return Quantized(codes, scale)
 
 
-def factor_entries(key: str, factor: torch.Tensor | Quantized) -> dict[str, torch.Tensor]:
-    """Payload entries of one factor under ``key`` (role P or Q): the tensor itself, or its
-    codes and its scale."""
+def factor_entries(key: str, factor: torch.Tensor | Quantized, bits: int = FULL_PRECISION) -> dict[str, torch.Tensor]:
+    """Payload entries of one factor under ``key`` (role P or Q): its codes and its scale, a
+    float factor coded to ``bits`` first; at full precision the float factor itself."""
     if isinstance(factor, torch.Tensor):
-        return {key: factor}
+        if bits == FULL_PRECISION:
+            return {key: factor}
+        factor = quantize(factor, bits)
     name, role = split_key(key)
     return {key: factor.codes, tensor_key(name, role + SCALE_SUFFIX): factor.scale}
 

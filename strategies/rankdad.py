@@ -254,13 +254,13 @@ class Compressed:
             entries[tensor_key(self.bias, GRAD_ROLE)] = M[..., -1].reshape(-1)
         return entries
 
-    def factors(self, P: Factor, Q: Factor) -> dict[str, torch.Tensor]:
-        """Payload entries of (G, m, r) and (G, k, r) factors, floats or integer codes with
-        their scales; an uncovered parameter's are 2-D, (m, r) and (k, r), as PowerSGD sends
-        a parameter's."""
+    def factors(self, P: Factor, Q: Factor, bits: int = FULL_PRECISION) -> dict[str, torch.Tensor]:
+        """Payload entries of (G, m, r) and (G, k, r) factors: integer codes with their scales,
+        float factors coded to ``bits`` first, floats at full precision; an uncovered
+        parameter's are 2-D, (m, r) and (k, r), as PowerSGD sends a parameter's."""
         if self.layer is None:
             P, Q = (Quantized(F.codes[0], F.scale[0]) if isinstance(F, Quantized) else F[0] for F in (P, Q))
-        return {**factor_entries(tensor_key(self.key, "P"), P), **factor_entries(tensor_key(self.key, "Q"), Q)}
+        return {**factor_entries(tensor_key(self.key, "P"), P, bits), **factor_entries(tensor_key(self.key, "Q"), Q, bits)}
 
     def read(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(G, m, r) and (G, k, r) factors of this matrix in ``payload`` (unpacked: floats), or
@@ -442,6 +442,7 @@ class RankDADSite:
             generator = state.generators.on((factors.A if factors.A is not None else factors.rows).device)
             result = power_iteration(factors.A, factors.D, options.rank, generator=generator, scale=1.0 / n,
                                      lookups=lookups, **passes)
+            P, Q = result.P * n, result.Q
         else:
             # The memory update needs M dense, so the passes run on it: the gradient is
             # autograd's (the probe checked it equals Dᵀ A), or rebuilt from the factors.
@@ -455,12 +456,9 @@ class RankDADSite:
                                                     generator=state.generators.on(M.device), **passes)
             if residual is not None:
                 state.errors[target.key] = residual
-            if options.warm_start:
-                state.warm[target.key] = result.Q
-            return target.factors(P, Q)
         if options.warm_start:
             state.warm[target.key] = result.Q
-        return target.factors(result.P * n, result.Q)
+        return target.factors(P, Q)
 
     def receive(self, message: Payload) -> None:
         """With ``shared_warm_start``, keep the re-reduced Q̂ of each matrix as next step's
@@ -534,12 +532,9 @@ class RankDADServer:
             return target.dense(mean, with_bias)
         Ps, Qs = [f[0] for f in factors], [f[1] for f in factors]
         if not options.reduce_on_server or (memory is None and sum(P.shape[-1] for P in Ps) <= options.rank):
-            # Concatenated codes would need each site's scale: below full precision the
-            # decoded factors are rounded again, one scale per column (each column is one site's).
-            P, Q = torch.cat(Ps, dim=2), torch.cat(Qs, dim=2)
-            if options.factor_bits < FULL_PRECISION:
-                P, Q = quantize(P, options.factor_bits), quantize(Q, options.factor_bits)
-            return target.factors(P, Q)
+            # Below full precision the decoded factors are coded again: each column is one
+            # site's, so its codes come back as that site sent them, its scale to float rounding.
+            return target.factors(torch.cat(Ps, dim=2), torch.cat(Qs, dim=2), options.factor_bits)
         generator = state.generators.on(Ps[0].device)
         passes = dict(iterations=options.iterations, warm_start=state.warm.get(target.key), tol=options.tol)
         if options.error_feedback:  # the memory update needs X dense, so the passes run on it
