@@ -78,6 +78,7 @@ class WorkloadSetting:
     # rank-dAD's and PowerSGD's factors as ``factor_bits``-bit codes with a scale per column
     # (``strategies/quantize.py``); 32: floats, as everywhere else.
     factor_bits: int = FULL_PRECISION
+    ranks: tuple[int, ...] | None = None  # the low-rank strategies' ranks, if not the preset's
 
     def __post_init__(self) -> None:
         # The final metric of a strategy that runs on is read at ``steps``: that step must be on
@@ -161,8 +162,8 @@ def cells(settings: list[WorkloadSetting], ranks: tuple[int, ...] = RANKS, exact
         for sites in setting.sites:
             for partition in setting.partitions:
                 for seed in setting.seeds:
-                    for spec in strategy_specs(setting.feed_forward, ranks, seed, exact, setting.ablation, setting.local_steps,
-                                               setting.factor_bits):
+                    for spec in strategy_specs(setting.feed_forward, setting.ranks or ranks, seed, exact, setting.ablation,
+                                               setting.local_steps, setting.factor_bits):
                         found.append(Cell(setting, sites, partition, seed, spec))
     return sorted(
         found,
@@ -242,16 +243,18 @@ DOMINANCE: list[WorkloadSetting] = [
     for setting in FULL if setting.purpose == "matrix"
 ]
 
-# ``--preset integer-factors``: the two settings judged on the ≥100× target with rank-dAD's
-# and PowerSGD's factors as 8-bit codes (one float scale per column, the rounding carried
-# by the error memories), both at ranks 2 and 4 (rank 1 reached the 3.5M transformer's
-# target for neither as floats); 4 sites, IID, the seeds of the full matrix. dSGD sets the
-# target as there.
+# ``--preset integer-factors``: rank-dAD's and PowerSGD's factors as 8-bit codes (one
+# float scale per column, the rounding carried by the error memories), dSGD as floats:
+# the dominance preset's four workloads (target (b), every rank) and the two settings of
+# the ≥100× target, 4 sites, IID, the full matrix's seeds, at ranks 2 and 4 (the 3.5M
+# transformer's cells take minutes each; rank 1 reached its target for neither as floats).
 INTEGER_BITS = 8
-INTEGER_RANKS = (2, 4)
+TARGET_RANKS = (2, 4)
 INTEGER_FACTORS: list[WorkloadSetting] = [
+    replace(setting, factor_bits=INTEGER_BITS) for setting in DOMINANCE
+] + [
     replace(setting, partitions=("iid",), factor_bits=INTEGER_BITS, ablation=False, local_steps=False,
-            note=f"{setting.note}; factors as {INTEGER_BITS}-bit codes")
+            ranks=TARGET_RANKS, note=f"{setting.note}; factors as {INTEGER_BITS}-bit codes")
     for setting in FULL if setting.ratio_target
 ]
 

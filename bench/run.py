@@ -34,7 +34,7 @@ PRESETS = {
     "rankdad-ef": (matrix.RANKDAD_EF, matrix.EF_RANKS, False, Path("bench/results/rankdad-ef"), DOCS / "rankdad-ef"),
     "dominance": (matrix.DOMINANCE, matrix.RANKS, False, Path("bench/results/dominance"), DOCS / "dominance"),
     "integer-factors": (
-        matrix.INTEGER_FACTORS, matrix.INTEGER_RANKS, False, Path("bench/results/integer-factors"),
+        matrix.INTEGER_FACTORS, matrix.RANKS, False, Path("bench/results/integer-factors"),
         DOCS / "integer-factors",
     ),
 }

@@ -183,3 +183,20 @@ def test_the_benchmarks_cost_formula_counts_integer_factors_as_they_travel(tmp_p
     unfolded = 4 * biases - rank * len(parts.layers) if name == "powersgd" else 0
     assert sent == parts.low_rank_bytes(rank, factor_bits=8) + unfolded
     assert parts.low_rank_bytes(rank) == 4 * parts.low_rank(rank), "floats: as before"
+
+
+def test_the_integer_factors_preset_codes_the_low_rank_strategies_only():
+    """``--preset integer-factors``: the dominance workloads and the two settings of the ≥100×
+    target (at their own ranks), rank-dAD and PowerSGD at 8 bits (labelled so, their cells
+    apart from the float ones), dSGD as floats."""
+    from bench import matrix
+
+    cells = matrix.cells(matrix.INTEGER_FACTORS, matrix.RANKS, exact=False)
+    assert {c.setting.key for c in cells} == {"digits-mlp", "digits-cnn", "char-gru", "char-transformer",
+                                              "digits-mlp-wide", "char-transformer-3m"}
+    ranks = {(c.setting.key, c.strategy.options["rank"]) for c in cells if "rank" in c.strategy.options}
+    assert {r for key, r in ranks if key == "char-transformer-3m"} == set(matrix.TARGET_RANKS)
+    assert {r for key, r in ranks if key == "digits-cnn"} == set(matrix.RANKS)
+    for cell in cells:
+        coded = cell.strategy.name in ("rankdad", "powersgd")
+        assert (cell.strategy.options.get("factor_bits") == 8) == coded and ("8-bit" in cell.name) == coded, cell.name
