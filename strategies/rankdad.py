@@ -118,8 +118,7 @@ any rank: full rank with integer factors leaves the rounding in the memories. Me
 machine and seeds): wide MLP, 16 seeds, steps to dSGD's target at r=2 130 → 145 and at
 r=4 105 → 105, for 33.4 → 8.4 KB per site and step; fewer bytes than dSGD 109× → 389×
 (r=2). 3.5M transformer, 4 seeds: r=4 reaches it at 160 steps (150 as floats in
-``docs/benchmarks.md``, another CPU), 120× against 38×. The error memories keep the
-rounding: without them (as without error feedback) it would be refused.
+``docs/benchmarks.md``, another CPU), 120× against 38×.
 
 Exact when r ≥ the rank of every compressed matrix and factors are floats; at full rank
 (r ≥ min(m, k)) the memories stay at rounding level and every step is exact to fp32.
