@@ -38,6 +38,13 @@ CODE_DTYPES = {8: torch.int8, 16: torch.int16}
 FACTOR_BITS = (*CODE_DTYPES, FULL_PRECISION)
 QUANTIZED_ROLES = ("P", "Q")
 SCALE_SUFFIX = "_scale"
+SCALE_ROLES = frozenset(role + SCALE_SUFFIX for role in QUANTIZED_ROLES)
+
+
+def scale_key(codes_key: str) -> str:
+    """The payload key of a factor's scale: its name, its role + ``_scale``."""
+    name, role = split_key(codes_key)
+    return tensor_key(name, role + SCALE_SUFFIX)
 
 
 def check_factor_bits(owner: str, bits: int, error_feedback: bool) -> None:
@@ -79,15 +86,14 @@ def factor_entries(key: str, factor: torch.Tensor | Quantized, bits: int = FULL_
         if bits == FULL_PRECISION:
             return {key: factor}
         factor = quantize(factor, bits)
-    name, role = split_key(key)
-    return {key: factor.codes, tensor_key(name, role + SCALE_SUFFIX): factor.scale}
+    return {key: factor.codes, scale_key(key): factor.scale}
 
 
 def unpack(payload: Payload) -> Payload:
     """``payload`` with every integer factor and its scale replaced by the float factor they
     decode to; a payload without integer factors is returned as it is. Raises ValueError for
     codes without their scale (or a scale without codes) or a scale of the wrong shape."""
-    scales = {key for key in payload.tensors if split_key(key)[1] in {r + SCALE_SUFFIX for r in QUANTIZED_ROLES}}
+    scales = {key for key in payload.tensors if split_key(key)[1] in SCALE_ROLES}
     coded = {key for key, t in payload.tensors.items()
              if split_key(key)[1] in QUANTIZED_ROLES and not t.is_floating_point()}
     if not scales and not coded:
@@ -97,25 +103,19 @@ def unpack(payload: Payload) -> Payload:
         if key in scales:
             continue
         if key in coded:
-            name, role = split_key(key)
-            scale = payload.tensors.get(tensor_key(name, role + SCALE_SUFFIX))
+            scale = payload.tensors.get(scale_key(key))
             if scale is None:
-                raise ValueError(f"tensor {key!r}: integer codes without their scale {role + SCALE_SUFFIX!r}")
+                raise ValueError(f"tensor {key!r}: integer codes without their scale {scale_key(key)!r}")
             expected = (*tensor.shape[:-2], 1, tensor.shape[-1]) if tensor.dim() >= 2 else None
             if expected is None or tuple(scale.shape) != expected or not scale.is_floating_point():
                 raise ValueError(f"tensor {key!r}: its scale has shape {tuple(scale.shape)} and dtype {scale.dtype}, "
                                  f"expected a floating {expected}")
             tensor = Quantized(tensor, scale).value()
         tensors[key] = tensor
-    orphans = sorted(key for key in scales if _codes_key(key) not in coded)
+    orphans = sorted(scales - {scale_key(codes) for codes in coded})
     if orphans:
         raise ValueError(f"tensor {orphans[0]!r}: a scale without integer codes")
     return Payload(payload.step, payload.phase, payload.num_samples, tensors)
-
-
-def _codes_key(scale_key: str) -> str:
-    name, role = split_key(scale_key)
-    return tensor_key(name, role[: -len(SCALE_SUFFIX)])
 
 
 def quantized_specs(tensors: dict[str, Spec], bits: int) -> dict[str, Spec]:
@@ -125,10 +125,9 @@ def quantized_specs(tensors: dict[str, Spec], bits: int) -> dict[str, Spec]:
         return tensors
     out = {}
     for key, spec in tensors.items():
-        name, role = split_key(key)
-        if role in QUANTIZED_ROLES:
+        if split_key(key)[1] in QUANTIZED_ROLES:
             out[key] = Spec(spec.shape, CODE_DTYPES[bits])
-            out[tensor_key(name, role + SCALE_SUFFIX)] = Spec((*spec.shape[:-2], 1, spec.shape[-1]), spec.dtype)
+            out[scale_key(key)] = Spec((*spec.shape[:-2], 1, spec.shape[-1]), spec.dtype)
         else:
             out[key] = spec
     return out
