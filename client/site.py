@@ -467,8 +467,9 @@ class Site:
 
         try:
             await call.done_writing()
-            await asyncio.wait_for(until_end(), FINISHED_STATUS_S)
-        except (asyncio.TimeoutError, asyncio.InvalidStateError, grpc.RpcError):
+            async with asyncio.timeout(FINISHED_STATUS_S):  # not wait_for, which may drop a cancel (coordinator.py)
+                await until_end()
+        except (TimeoutError, asyncio.InvalidStateError, grpc.RpcError):
             pass  # the run has finished either way
 
     async def _handle(self, session: Session, message: cpb.ServerMessage) -> bool:

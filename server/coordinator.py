@@ -299,7 +299,8 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         deadline = time.monotonic() + CLOSE_GRACE_S
         closing = cpb.ServerMessage(closing=cpb.Closing(code=code.value[0], reason=reason))
         try:
-            await asyncio.wait_for(context.write(closing), CLOSE_GRACE_S)
+            async with asyncio.timeout(CLOSE_GRACE_S):
+                await context.write(closing)
             if reader is not None:
                 await asyncio.wait({reader}, timeout=max(deadline - time.monotonic(), 0))
             if reader is None or reader.done():
@@ -312,8 +313,9 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
     async def _until_site_ends(context, deadline: float) -> None:
         """Read (and drop) what the site sends until it ends its side of the stream or ``deadline``."""
         while (remaining := deadline - time.monotonic()) > 0:
-            if await asyncio.wait_for(context.read(), remaining) is grpc.aio.EOF:
-                return
+            async with asyncio.timeout(remaining):
+                if await context.read() is grpc.aio.EOF:
+                    return
 
     @staticmethod
     async def _write(link: SiteLink, context, message: Encoded) -> bool:
@@ -410,8 +412,9 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
     async def _read_one(self, context, expected: str, timeout: float, site_id: str | None = None) -> cpb.SiteMessage:
         who = f"site {site_id}" if site_id else f"a stream from {context.peer()}"
         try:
-            message = await asyncio.wait_for(context.read(), timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout):
+                message = await context.read()
+        except TimeoutError:
             await self._end_stream(context, grpc.StatusCode.DEADLINE_EXCEEDED, f"no {expected} message within {timeout:.0f} s")
         except DecodeError:
             log.warning("%s sent bytes that are not a dadfl message instead of its %s; refused", who, expected)
@@ -572,8 +575,9 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         while ((missing := expected - self.told_finished) or self.handshakes) and (remaining := deadline - time.monotonic()) > 0:
             self.changed.clear()
             try:
-                await asyncio.wait_for(self.changed.wait(), remaining)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(remaining):
+                    await self.changed.wait()
+            except TimeoutError:
                 if missing:
                     log.warning("%s did not reconnect after the run finished", ", ".join(sorted(missing)))
 
@@ -591,8 +595,9 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                 names = ", ".join(link.site_id for link in live) or "none"
                 raise RunStopped(f"only {len(live)} of the {need} sites needed were connected after {timeout:.0f} s (connected: {names})")
             try:
-                await asyncio.wait_for(self.changed.wait(), remaining)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(remaining):
+                    await self.changed.wait()
+            except TimeoutError:
                 pass
         newcomers = [link for link in live if not link.admitted]
         if newcomers:
@@ -757,8 +762,12 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                 link = self.arrivals.get_nowait()
             else:
                 try:
-                    link = await asyncio.wait_for(self.arrivals.get(), max(deadline - time.monotonic(), 0))
-                except asyncio.TimeoutError:
+                    # asyncio.timeout, never wait_for, for every wait here: on Python 3.11 wait_for
+                    # drops a cancel that lands as the awaited value arrives, so a Ctrl-C during a
+                    # busy run went unheard (tests/test_end_of_run.py).
+                    async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
+                        link = await self.arrivals.get()
+                except TimeoutError:
                     for link in sorted(waiting, key=lambda link: link.site_id):
                         link.close(
                             grpc.StatusCode.DEADLINE_EXCEEDED,

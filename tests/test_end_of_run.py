@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import subprocess
@@ -11,6 +12,8 @@ import time
 import dadfl.client.site as site_module
 from dadfl.metrics import read_metrics
 from dadfl.server import checkpoint
+from dadfl.server.coordinator import Coordinator
+from dadfl.server.links import Closed, SiteLink
 from network_helpers import ServerThread, SiteThread, dadfl_command, server_config, site_config, write_toml
 
 LATE = "late"
@@ -91,3 +94,29 @@ def test_ctrl_c_stops_the_coordinator_with_one_line_and_no_traceback(tmp_path):
         server.kill()
     assert server.returncode == 130, stderr
     assert stderr.rstrip().endswith("error: interrupted") and "Traceback" not in stderr and "CancelledError" not in stderr, stderr
+
+
+def test_a_ctrl_c_that_lands_with_a_site_answer_still_stops_the_step(tmp_path):
+    """Ctrl-C cancels the coordinator's task. When the cancel lands in the loop turn that
+    brings a site's answer, the wait for answers must still end cancelled: with
+    ``asyncio.wait_for`` (Python 3.11) it returned the answer instead, the run went on and
+    the Ctrl-C above went unheard once in a busy run."""
+    coordinator = Coordinator(server_config(tmp_path))
+
+    async def cancel_as_an_answer_arrives():
+        link = SiteLink("s0", "peer", coordinator.arrivals)
+        answers = []
+
+        async def collect():
+            async for answer in coordinator._answers([link], 0, 0, 0):
+                answers.append(answer)
+
+        task = asyncio.create_task(collect())
+        await asyncio.sleep(0)  # the task now waits for an answer
+        link.deliver(Closed("the site left"))
+        task.cancel()
+        await asyncio.wait({task}, timeout=10)
+        return task, answers
+
+    task, answers = asyncio.run(cancel_as_an_answer_arrives())
+    assert task.done() and task.cancelled() and answers == []
