@@ -60,9 +60,10 @@ from pathlib import Path
 from dadfl.metrics import read_metrics
 from dadfl.server.processes import simulation_configs
 from dadfl.simulation import SimulationConfig, StrategySpec
+from dadfl.strategies.quantize import FULL_PRECISION
 
 from .execute import run_part
-from .matrix import WIDE, strategy_specs
+from .matrix import INTEGER_BITS, LINK_RANKS, WIDE, strategy_specs
 
 SITES = WIDE.sites[0]  # the setting's sites: the matrix's steps to target for it set the seconds to target
 STEPS = 6
@@ -83,7 +84,10 @@ REPO = Path(__file__).resolve().parent.parent
 SUBNET = "10.213.0"
 COORDINATOR_IP = f"{SUBNET}.1"
 WORKLOAD, OPTIONS = WIDE.workload, {**WIDE.options, "seed": 0}
-STRATEGIES = strategy_specs(feed_forward=True, ranks=(1, 2), exact=True, ablation=False, local_steps=True)
+# rank-dAD and PowerSGD at ranks 1, 2 and 4, their factors as floats and as 8-bit codes: the
+# integer-factors preset's wide MLP runs these too, so each has its steps to target.
+STRATEGIES = strategy_specs(feed_forward=True, ranks=LINK_RANKS, exact=True, ablation=False, local_steps=True,
+                            factor_bits=(FULL_PRECISION, INTEGER_BITS))
 COMPRESSED = ("rankdad", "powersgd")
 ONE_SITE = [spec for spec in STRATEGIES if spec.name in COMPRESSED]  # also run with one site
 RUN_TIMEOUT_S = 300

@@ -75,9 +75,9 @@ class WorkloadSetting:
     # behind it per step never reaches the target within the same budget, and its bytes to
     # target would go unmeasured rather than be large.
     catch_up: int = 1
-    # rank-dAD's and PowerSGD's factors as ``factor_bits``-bit codes with a scale per column
-    # (``strategies/quantize.py``); 32: floats, as everywhere else.
-    factor_bits: int = FULL_PRECISION
+    # The widths rank-dAD's and PowerSGD's factors run at, each at every rank: below 32,
+    # integer codes with a scale per column (``strategies/quantize.py``); 32: floats.
+    factor_bits: tuple[int, ...] = (FULL_PRECISION,)
     ranks: tuple[int, ...] | None = None  # the low-rank strategies' ranks, if not the preset's
 
     def __post_init__(self) -> None:
@@ -120,32 +120,28 @@ def slug(text: str) -> str:
 
 def strategy_specs(
     feed_forward: bool, ranks: tuple[int, ...] = RANKS, seed: int = 0, exact: bool = True, ablation: bool = True,
-    local_steps: bool = False, factor_bits: int = FULL_PRECISION,
+    local_steps: bool = False, factor_bits: tuple[int, ...] = (FULL_PRECISION,),
 ) -> list[StrategySpec]:
     """dsgd; dad, auto, edad (feed-forward only) when ``exact``; rank-dAD with its defaults
-    (error feedback, server re-reduction) and, with ``ablation``, without error feedback;
-    PowerSGD — every rank in ``ranks``, their factors of ``factor_bits`` (labelled below 32);
-    FedAvg and DiLoCo with ``local_steps``."""
-    bits, suffix = ({}, "") if factor_bits == FULL_PRECISION else ({"factor_bits": factor_bits}, f" {factor_bits}-bit")
+    (error feedback, server re-reduction) and, with ``ablation``, without error feedback (as
+    floats: codes need error feedback); PowerSGD — every rank in ``ranks``, their factors at
+    each width of ``factor_bits`` (labelled below 32); FedAvg and DiLoCo with ``local_steps``."""
+    widths = [({}, "") if bits == FULL_PRECISION else ({"factor_bits": bits}, f" {bits}-bit") for bits in factor_bits]
     specs = [StrategySpec(name="dsgd")]
     if exact:
         specs += [StrategySpec(name="dad"), StrategySpec(name="auto")]
         if feed_forward:
             specs.append(StrategySpec(name="edad"))
+    rankdad = {"reduce_on_server": True, "raw_input": RANKDAD_RAW_INPUT, "seed": seed}
     for rank in ranks:
-        for error_feedback in (True, False) if ablation else (True,):
-            options = {"rank": rank, "error_feedback": error_feedback, "reduce_on_server": True,
-                       "raw_input": RANKDAD_RAW_INPUT, "seed": seed, **(bits if error_feedback else {})}
-            label = f"rankdad r={rank}" + (suffix if error_feedback else " no EF")
-            specs.append(StrategySpec(name="rankdad", options=options, label=label))
+        specs += [StrategySpec(name="rankdad", options={"rank": rank, "error_feedback": True, **rankdad, **bits},
+                               label=f"rankdad r={rank}{suffix}") for bits, suffix in widths]
+        if ablation:
+            specs.append(StrategySpec(name="rankdad", options={"rank": rank, "error_feedback": False, **rankdad},
+                                      label=f"rankdad r={rank} no EF"))
     for rank in ranks:
-        specs.append(
-            StrategySpec(
-                name="powersgd",
-                options={"rank": rank, "start_iter": POWERSGD_START_ITER, "seed": seed, **bits},
-                label=f"powersgd r={rank}{suffix}",
-            )
-        )
+        specs += [StrategySpec(name="powersgd", options={"rank": rank, "start_iter": POWERSGD_START_ITER, "seed": seed, **bits},
+                               label=f"powersgd r={rank}{suffix}") for bits, suffix in widths]
     if local_steps:
         specs += [
             StrategySpec(name="fedavg", options={"local_steps": LOCAL_STEPS}, label=f"fedavg H={LOCAL_STEPS}"),
@@ -246,15 +242,21 @@ DOMINANCE: list[WorkloadSetting] = [
 # ``--preset integer-factors``: rank-dAD's and PowerSGD's factors as 8-bit codes (one
 # float scale per column, the rounding carried by the error memories), dSGD as floats:
 # the dominance preset's four workloads (target (b), every rank) and the two settings of
-# the ≥100× target, 4 sites, IID, the full matrix's seeds, at ranks 2 and 4 (the 3.5M
-# transformer's cells take minutes each; rank 1 reached its target for neither as floats).
+# the ≥100× target, 4 sites, the full matrix's seeds. The 3.5M transformer runs IID at
+# ranks 2 and 4 (its cells take minutes each; rank 1 reached its target as floats on no
+# seed). The wide MLP, the links' setting, runs both splits at ranks 1, 2 and 4 as floats
+# and as codes: the links' seconds to target (``--parts links``) then weigh every
+# configuration a hospital could pick, measured in one run.
 INTEGER_BITS = 8
 TARGET_RANKS = (2, 4)
-INTEGER_FACTORS: list[WorkloadSetting] = [
-    replace(setting, factor_bits=INTEGER_BITS) for setting in DOMINANCE
-] + [
-    replace(setting, partitions=("iid",), factor_bits=INTEGER_BITS, ablation=False, local_steps=False,
-            ranks=TARGET_RANKS, note=f"{setting.note}; factors as {INTEGER_BITS}-bit codes")
+LINK_RANKS = (1, 2, 4)
+_CODED = {"ablation": False, "local_steps": False}
+INTEGER_FACTORS: list[WorkloadSetting] = [replace(setting, factor_bits=(INTEGER_BITS,)) for setting in DOMINANCE] + [
+    replace(setting, partitions=("iid",), factor_bits=(INTEGER_BITS,), ranks=TARGET_RANKS,
+            note=f"{setting.note}; factors as {INTEGER_BITS}-bit codes", **_CODED)
+    if setting.key != "digits-mlp-wide" else
+    replace(setting, factor_bits=(FULL_PRECISION, INTEGER_BITS), ranks=LINK_RANKS,
+            note=f"{setting.note}; factors as floats and as {INTEGER_BITS}-bit codes", **_CODED)
     for setting in FULL if setting.ratio_target
 ]
 

@@ -456,13 +456,13 @@ def write_report(
         "dSGD's bytes).",
         "",
     ]
-    coded = sorted({s["factor_bits"] for s in settings if s.get("factor_bits", FULL_PRECISION) < FULL_PRECISION})
+    coded = sorted({bits for s in settings for bits in s["factor_bits"] if bits < FULL_PRECISION})
     if coded:
         lines += [
             f"Here rank-dAD's and PowerSGD's factors travel as {' or '.join(map(str, coded))}-bit integer codes with one",
-            "float scale per column (`factor_bits`, `strategies/quantize.py`; rows labelled *-bit*), the rounding carried",
-            "by the error memories; everything else, dSGD included, travels as floats. The bounds below count factor",
-            "entries at that width and the scales.",
+            "float scale per column (`factor_bits`, `strategies/quantize.py`; rows labelled *-bit*, the others floats), the",
+            "rounding carried by the error memories; everything else, dSGD included, travels as floats. The bounds below",
+            "count factor entries at the narrowest width a setting runs, and the scales.",
             "",
         ]
 

@@ -188,8 +188,9 @@ def test_the_benchmarks_cost_formula_counts_integer_factors_as_they_travel(tmp_p
 def test_the_integer_factors_preset_codes_the_low_rank_strategies_only():
     """``--preset integer-factors``: the dominance workloads and the two settings of the ≥100×
     target (at their own ranks), rank-dAD and PowerSGD at 8 bits (labelled so, their cells
-    apart from the float ones), dSGD as floats."""
-    from bench import matrix
+    apart from the float ones), dSGD as floats; the links' setting, the wide MLP, also runs
+    both at every rank as floats, on both splits, with the configurations the links run."""
+    from bench import links, matrix
 
     cells = matrix.cells(matrix.INTEGER_FACTORS, matrix.RANKS, exact=False)
     assert {c.setting.key for c in cells} == {"digits-mlp", "digits-cnn", "char-gru", "char-transformer",
@@ -199,4 +200,11 @@ def test_the_integer_factors_preset_codes_the_low_rank_strategies_only():
     assert {r for key, r in ranks if key == "digits-cnn"} == set(matrix.RANKS)
     for cell in cells:
         coded = cell.strategy.name in ("rankdad", "powersgd")
-        assert (cell.strategy.options.get("factor_bits") == 8) == coded and ("8-bit" in cell.name) == coded, cell.name
+        width = cell.strategy.options.get("factor_bits")
+        assert ("8-bit" in cell.name) == (width == 8), cell.name
+        if cell.setting.key != links.WIDE.key:
+            assert (width == 8) == coded, cell.name
+    wide = {(c.partition, c.strategy.display) for c in cells if c.setting.key == links.WIDE.key}
+    compressed = {spec.display for spec in links.STRATEGIES if spec.name in ("rankdad", "powersgd")}
+    assert any("8-bit" in label for label in compressed) and any("8-bit" not in label for label in compressed)
+    assert {(partition, label) for partition in ("iid", "dirichlet") for label in compressed | {"dsgd"}} == wide
