@@ -24,19 +24,23 @@ from network_helpers import ServerThread, SiteThread, server_config, site_config
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOODER = "flooder"
+FLOOD_MIB = 96
 
 
 def test_preadmission_flood_is_refused_and_coordinator_memory_stays_flat():
-    """An enrolled site sends 96 MiB of chunks after ready, before it is admitted (the
+    """An enrolled site sends 96 MiB (``FLOOD_MIB``) of chunks after ready, before it is admitted (the
     coordinator in its own process, its RSS read from /proc, after a control site's one-chunk
     refusal so that only the flood's own cost is measured)."""
-    result = subprocess.run([sys.executable, "-m", "bench.bench_resources", "--only", "preadmission", "--flood-mib", "96"],
+    result = subprocess.run([sys.executable, "-m", "bench.bench_resources", "--only", "preadmission", "--flood-mib", str(FLOOD_MIB)],
                             cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     figures = json.loads(result.stdout.splitlines()[-1])
     assert figures["control_status"].startswith("INVALID_ARGUMENT: site control sent a chunk message before it was admitted")
     assert figures["status"].startswith("INVALID_ARGUMENT: site flooder sent a chunk message before it was admitted")
-    assert figures["growth_after_mib"] < 24 and figures["rss_peak_mib"] - figures["rss_before_mib"] < 24, figures
+    # Holding the flood would cost ≥ 96 MiB; gRPC's buffers and the allocator's arenas have
+    # reached 24.9 MiB on a loaded 2-core machine (the coordinator reads 1 MiB chunks).
+    bound = FLOOD_MIB / 3
+    assert figures["growth_after_mib"] < bound and figures["rss_peak_mib"] - figures["rss_before_mib"] < bound, figures
 
 
 class SyncFlooder(site_module.Session):
