@@ -7,8 +7,9 @@
                                            # rank-dAD with error feedback against PowerSGD
                                            # (~1 h on 2 cores); publishes docs/rankdad-ef/
     python -m bench.run --preset integer-factors --jobs 2
-                                           # the same with 8-bit factors (~80 min on 2
-                                           # cores); publishes docs/integer-factors/
+                                           # the same with 8-bit factors (~2 h on 2
+                                           # cores; --parts matrix,links adds the links,
+                                           # ~50 min); publishes docs/integer-factors/
 
 Finished cells are kept under ``--out`` and skipped when the command runs again, so an
 interrupted suite resumes; ``--report-only`` re-analyses what is there.
