@@ -855,7 +855,8 @@ def choice_table(seconds: dict[tuple[str, str, str], float], groups: dict, links
             for names in FAMILIES.values():
                 family = {label: t for label, t in found.items() if label.split()[0] in names}
                 best = min(family, key=family.get) if family else None
-                row.append(f"{best}: {family[best]:.1f} s" if best else "not reached")
+                ran = any(label.split()[0] in names for label in group["strategies"])
+                row.append(f"{best}: {family[best]:.1f} s" if best else ("not reached" if ran else "not in the matrix"))
             fastest = min(found, key=found.get) if found else None
             row.append(f"**{fastest}**" if fastest else "–")
             if one_site:
