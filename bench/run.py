@@ -92,7 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     results = analyse(out, settings, cells, size_sweep=name == "full")
     json_path, csv_path = write_results(results, out)
     command = "python -m bench.run" + {"smoke": "", "full": " --full --jobs 2"}.get(name, f" --preset {name} --jobs 2")
-    command += "".join(f" --{flag} {value}" for flag, value in (("workloads", args.workloads), ("seeds", args.seeds), ("parts", args.parts)) if value)
+    command += "".join(f" --{flag} {value}" for flag, value in (("workloads", args.workloads), ("seeds", args.seeds)) if value)
+    # the parts whose results the report holds, whichever invocation measured them
+    held = ["matrix"] + [part for part, file in (("links", LINKS), ("peers", PEERS)) if (out / file).exists()]
+    if held != (["matrix", "links", "peers"] if name == "full" else ["matrix"]):
+        command += f" --parts {','.join(held)}"
     left_out = [s.key for s in preset if s.key not in {chosen.key for chosen in settings}]
     minutes = None if args.report_only else (time.perf_counter() - started) / 60
     report = write_report(
