@@ -91,12 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             (out / PEERS).write_text(json.dumps(peers.compare(), indent=1))
     results = analyse(out, settings, cells, size_sweep=name == "full")
     json_path, csv_path = write_results(results, out)
-    command = "python -m bench.run" + {"smoke": "", "full": " --full --jobs 2"}.get(name, f" --preset {name} --jobs 2")
-    command += "".join(f" --{flag} {value}" for flag, value in (("workloads", args.workloads), ("seeds", args.seeds)) if value)
-    # the parts whose results the report holds, whichever invocation measured them
-    held = ["matrix"] + [part for part, file in (("links", LINKS), ("peers", PEERS)) if (out / file).exists()]
-    if held != (["matrix", "links", "peers"] if name == "full" else ["matrix"]):
-        command += f" --parts {','.join(held)}"
+    command = reproduce_command(name, args.workloads, args.seeds, out)
     left_out = [s.key for s in preset if s.key not in {chosen.key for chosen in settings}]
     minutes = None if args.report_only else (time.perf_counter() - started) / 60
     report = write_report(
@@ -107,6 +102,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(results['failed'])} cell(s) failed: see {report}", file=sys.stderr)
         return 1
     return 0
+
+
+def reproduce_command(preset: str, workloads: str | None, seeds: str | None, out: Path) -> str:
+    """The one command that measures what ``out`` holds: the preset, its selection, and the
+    parts whose results are there, whichever invocation measured them."""
+    command = "python -m bench.run" + {"smoke": "", "full": " --full --jobs 2"}.get(preset, f" --preset {preset} --jobs 2")
+    command += "".join(f" --{flag} {value}" for flag, value in (("workloads", workloads), ("seeds", seeds)) if value)
+    held = ["matrix"] + [part for part, file in (("links", LINKS), ("peers", PEERS)) if (out / file).exists()]
+    if held != (["matrix", "links", "peers"] if preset == "full" else ["matrix"]):
+        command += f" --parts {','.join(held)}"
+    return command
 
 
 def load(path: Path) -> dict | None:

@@ -115,10 +115,11 @@ still adds up to the gradients (``tests/test_integer_factors.py``). A concatenat
 downlink rounds each site's decoded factors again, one scale per column. Not exact at
 any rank: full rank with integer factors leaves the rounding in the memories. Measured
 (``python -m bench.run --preset integer-factors``, 4 sites, IID; floats beside, same
-machine and seeds): wide MLP, 16 seeds, steps to dSGD's target at r=2 130 → 145 and at
-r=4 105 → 105, for 33.4 → 8.4 KB per site and step; fewer bytes than dSGD 109× → 389×
-(r=2). 3.5M transformer, 4 seeds: r=4 reaches it at 160 steps (150 as floats in
-``docs/benchmarks.md``, another CPU), 120× against 38×.
+machine and seeds): wide MLP, 16 seeds, steps to dSGD's target at r=1 145 → 145, at
+r=2 130 → 145 and at r=4 105 → 105; at r=1 16.7 → 4.2 KB up per site and step, and
+fewer bytes than dSGD 195× → 777× (Dirichlet(0.5): 214× → 851×; the best PowerSGD,
+r=1 at 8 bits, 254× and 225×). 3.5M transformer, 4 seeds: r=4 reaches it at 160 steps
+(150 as floats in ``docs/benchmarks.md``, another CPU), 120× against 38×.
 
 Exact when r ≥ the rank of every compressed matrix and factors are floats; at full rank
 (r ≥ min(m, k)) the memories stay at rounding level and every step is exact to fp32.

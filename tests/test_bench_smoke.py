@@ -296,3 +296,20 @@ def test_the_dominance_table_shows_powersgds_lead_in_standard_errors(suite):
     report = (out / "benchmarks.md").read_text()
     row = next(line for line in report.splitlines() if line.startswith(f"| {group['setting']} | ") and " vs " in line)
     assert f"| {lead} | {'**yes**' if family['within_noise'] else 'no'} |" in row, row
+
+
+@pytest.mark.parametrize(
+    "preset, workloads, files, expected",
+    [
+        ("smoke", "digits-mlp", [], "python -m bench.run --workloads digits-mlp"),
+        ("integer-factors", None, ["links.json"], "python -m bench.run --preset integer-factors --jobs 2 --parts matrix,links"),
+        ("full", None, ["links.json", "peers.json"], "python -m bench.run --full --jobs 2"),
+        ("full", None, ["peers.json"], "python -m bench.run --full --jobs 2 --parts matrix,peers"),
+    ],
+)
+def test_the_reproduce_command_names_the_parts_whose_results_the_folder_holds(tmp_path, preset, workloads, files, expected):
+    from bench.run import reproduce_command
+
+    for name in files:  # written by an earlier invocation, e.g. `--parts links`
+        (tmp_path / name).write_text("{}")
+    assert reproduce_command(preset, workloads, None, tmp_path) == expected
