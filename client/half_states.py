@@ -104,7 +104,10 @@ class HalfStates:
         path = self._path(step)
         tmp = path.with_name(path.name + ".tmp")
         if self.spares:
-            os.replace(self.spares.pop(), tmp)
+            try:
+                os.replace(self.spares.pop(), tmp)
+            except FileNotFoundError:  # removed by hand: a new file serves as well
+                pass
         descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT, 0o600)  # no O_TRUNC: keep the spare's pages
         with os.fdopen(descriptor, "wb", buffering=0) as file:
             for part in parts:
@@ -155,6 +158,8 @@ class HalfStates:
                 os.replace(self._path(step), spare)
             except FileNotFoundError:
                 return
+            if spare in self.spares:  # a replayed step dropped twice: its old spare was just replaced
+                self.spares.remove(spare)
             self.spares.append(spare)
 
     def keep_only(self, steps: set[int]) -> None:

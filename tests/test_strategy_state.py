@@ -166,3 +166,34 @@ def test_site_state_files_are_written_over_not_remade_and_a_damaged_or_misnamed_
     assert HalfStates(tmp_path, "site-a", "run1", cpu).load(7) is None
     again.save(12, {})  # a stateless half's empty state is a state too
     assert HalfStates(tmp_path, "site-a", "run1", cpu).load(12) == {}
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_site_states_survive_replays_and_restarts_in_any_order(tmp_path, seed):
+    """The steps a site sees go back (a coordinator resumed from its checkpoint, an aborted
+    step) and its process restarts; a step dropped twice once left its spare file listed twice,
+    and the second reuse of it stopped the site on FileNotFoundError."""
+    import random
+
+    from dadfl.client.half_states import HalfStates
+
+    rng, cpu = random.Random(seed), torch.device("cpu")
+    states = HalfStates(tmp_path, "site-a", "run1", cpu)
+    step = checkpoint = 0
+    for _ in range(150):
+        draw = rng.random()
+        if draw < 0.05:  # a restarted site process, maybe behind the server
+            states = HalfStates(tmp_path, "site-a", "run1", cpu)
+            step = max(checkpoint, step - rng.randint(0, 3))
+        elif draw < 0.12:  # the coordinator resumes from its checkpoint
+            step = checkpoint
+        states.keep_only({checkpoint, step - 1, step})
+        states.save(step + 1, {"error/w": torch.full((2,), float(step + 1))})
+        if (step + 1) % 6 == 0:
+            checkpoint = step + 1
+        states.keep_only({checkpoint, step, step + 1})
+        step += 1
+        assert len(set(states.spares)) == len(states.spares) and all(spare.exists() for spare in states.spares)
+        for kept in states.steps() - {0}:
+            assert torch.equal(states.load(kept)["error/w"], torch.full((2,), float(kept)))
+    assert len(list(states.folder.iterdir())) <= 5, "three states and two spares at most"
