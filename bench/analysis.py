@@ -255,10 +255,12 @@ STRATEGY_ORDER = ("dsgd", "dad", "auto", "edad", "rankdad", "powersgd", "fedavg"
 
 
 def matrix_order(spec: dict) -> tuple:
-    """Tables list strategies as the matrix does: exact ones, rank-dAD, PowerSGD, local steps; by rank."""
+    """Tables list strategies as the matrix does: exact ones, rank-dAD, PowerSGD, local steps; by
+    rank, floats before codes; rank-dAD's concatenated downlink after its re-reduced one."""
     name, options = spec["name"], spec["options"]
     known = STRATEGY_ORDER.index(name) if name in STRATEGY_ORDER else len(STRATEGY_ORDER)
-    return known, options.get("rank", 0), options.get("error_feedback") is False
+    return (known, options.get("reduce_on_server") is False, options.get("rank", 0), "factor_bits" in options,
+            options.get("error_feedback") is False)
 
 
 

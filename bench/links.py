@@ -63,7 +63,7 @@ from dadfl.simulation import SimulationConfig, StrategySpec
 from dadfl.strategies.quantize import FULL_PRECISION
 
 from .execute import run_part
-from .matrix import INTEGER_BITS, LINK_RANKS, WIDE, strategy_specs
+from .matrix import CONCATENATED_RANKS, INTEGER_BITS, LINK_RANKS, WIDE, strategy_specs
 
 SITES = WIDE.sites[0]  # the setting's sites: the matrix's steps to target for it set the seconds to target
 STEPS = 6
@@ -84,12 +84,15 @@ REPO = Path(__file__).resolve().parent.parent
 SUBNET = "10.213.0"
 COORDINATOR_IP = f"{SUBNET}.1"
 WORKLOAD, OPTIONS = WIDE.workload, {**WIDE.options, "seed": 0}
-# rank-dAD and PowerSGD at ranks 1, 2 and 4, their factors as floats and as 8-bit codes: the
-# integer-factors preset's wide MLP runs these too, so each has its steps to target.
+# rank-dAD and PowerSGD at ranks 1, 2 and 4, their factors as floats and as 8-bit codes, and
+# rank-dAD's concatenated downlink: the integer-factors preset's wide MLP runs these too, so
+# each has its steps to target.
 STRATEGIES = strategy_specs(feed_forward=True, ranks=LINK_RANKS, exact=True, ablation=False, local_steps=True,
-                            factor_bits=(FULL_PRECISION, INTEGER_BITS))
+                            factor_bits=(FULL_PRECISION, INTEGER_BITS), concatenated=CONCATENATED_RANKS)
 COMPRESSED = ("rankdad", "powersgd")
-ONE_SITE = [spec for spec in STRATEGIES if spec.name in COMPRESSED]  # also run with one site
+# Also run with one site: its compute beside the link's. Not the concatenated downlink: with
+# one site it sends what the re-reduced one does, without the server's re-reduction.
+ONE_SITE = [spec for spec in STRATEGIES if spec.name in COMPRESSED and spec.options.get("reduce_on_server") is not False]
 RUN_TIMEOUT_S = 300
 
 

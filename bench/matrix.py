@@ -79,6 +79,9 @@ class WorkloadSetting:
     # integer codes with a scale per column (``strategies/quantize.py``); 32: floats.
     factor_bits: tuple[int, ...] = (FULL_PRECISION,)
     ranks: tuple[int, ...] | None = None  # the low-rank strategies' ranks, if not the preset's
+    # Ranks at which rank-dAD also runs with the sites' factors concatenated on the downlink
+    # (``reduce_on_server=False``), at each width of ``factor_bits``.
+    concatenated_ranks: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # The final metric of a strategy that runs on is read at ``steps``: that step must be on
@@ -120,12 +123,14 @@ def slug(text: str) -> str:
 
 def strategy_specs(
     feed_forward: bool, ranks: tuple[int, ...] = RANKS, seed: int = 0, exact: bool = True, ablation: bool = True,
-    local_steps: bool = False, factor_bits: tuple[int, ...] = (FULL_PRECISION,),
+    local_steps: bool = False, factor_bits: tuple[int, ...] = (FULL_PRECISION,), concatenated: tuple[int, ...] = (),
 ) -> list[StrategySpec]:
     """dsgd; dad, auto, edad (feed-forward only) when ``exact``; rank-dAD with its defaults
     (error feedback, server re-reduction) and, with ``ablation``, without error feedback (as
-    floats: codes need error feedback); PowerSGD — every rank in ``ranks``, their factors at
-    each width of ``factor_bits`` (labelled below 32); FedAvg and DiLoCo with ``local_steps``."""
+    floats: codes need error feedback); rank-dAD with the sites' factors concatenated on the
+    downlink at the ranks in ``concatenated`` (labelled *concat*); PowerSGD — every rank in
+    ``ranks``, their factors at each width of ``factor_bits`` (labelled below 32); FedAvg and
+    DiLoCo with ``local_steps``."""
     widths = [({}, "") if bits == FULL_PRECISION else ({"factor_bits": bits}, f" {bits}-bit") for bits in factor_bits]
     specs = [StrategySpec(name="dsgd")]
     if exact:
@@ -139,6 +144,10 @@ def strategy_specs(
         if ablation:
             specs.append(StrategySpec(name="rankdad", options={"rank": rank, "error_feedback": False, **rankdad},
                                       label=f"rankdad r={rank} no EF"))
+    for rank in concatenated:
+        concat = {**rankdad, "reduce_on_server": False}
+        specs += [StrategySpec(name="rankdad", options={"rank": rank, "error_feedback": True, **concat, **bits},
+                               label=f"rankdad r={rank}{suffix} concat") for bits, suffix in widths]
     for rank in ranks:
         specs += [StrategySpec(name="powersgd", options={"rank": rank, "start_iter": POWERSGD_START_ITER, "seed": seed, **bits},
                                label=f"powersgd r={rank}{suffix}") for bits, suffix in widths]
@@ -159,7 +168,7 @@ def cells(settings: list[WorkloadSetting], ranks: tuple[int, ...] = RANKS, exact
             for partition in setting.partitions:
                 for seed in setting.seeds:
                     for spec in strategy_specs(setting.feed_forward, setting.ranks or ranks, seed, exact, setting.ablation,
-                                               setting.local_steps, setting.factor_bits):
+                                               setting.local_steps, setting.factor_bits, setting.concatenated_ranks):
                         found.append(Cell(setting, sites, partition, seed, spec))
     return sorted(
         found,
@@ -245,17 +254,20 @@ DOMINANCE: list[WorkloadSetting] = [
 # the ≥100× target, 4 sites, the full matrix's seeds. The 3.5M transformer runs IID at
 # ranks 2 and 4 (its cells take minutes each; rank 1 reached its target as floats on no
 # seed). The wide MLP, the links' setting, runs both splits at ranks 1, 2 and 4 as floats
-# and as codes: the links' seconds to target (``--parts links``) then weigh every
-# configuration a hospital could pick, measured in one run.
+# and as codes, and rank-dAD at ranks 1 and 2 with the sites' factors concatenated on the
+# downlink (fewer steps to the target for more bytes down: the choice on a link with latency):
+# the links' seconds to target (``--parts links``) then weigh every configuration a hospital
+# could pick, measured in one run.
 INTEGER_BITS = 8
 TARGET_RANKS = (2, 4)
 LINK_RANKS = (1, 2, 4)
+CONCATENATED_RANKS = (1, 2)
 _CODED = {"ablation": False, "local_steps": False}
 INTEGER_FACTORS: list[WorkloadSetting] = [replace(setting, factor_bits=(INTEGER_BITS,)) for setting in DOMINANCE] + [
     replace(setting, partitions=("iid",), factor_bits=(INTEGER_BITS,), ranks=TARGET_RANKS,
             note=f"{setting.note}; factors as {INTEGER_BITS}-bit codes", **_CODED)
     if setting.key != "digits-mlp-wide" else
-    replace(setting, factor_bits=(FULL_PRECISION, INTEGER_BITS), ranks=LINK_RANKS,
+    replace(setting, factor_bits=(FULL_PRECISION, INTEGER_BITS), ranks=LINK_RANKS, concatenated_ranks=CONCATENATED_RANKS,
             note=f"{setting.note}; factors as floats and as {INTEGER_BITS}-bit codes", **_CODED)
     for setting in FULL if setting.ratio_target
 ]

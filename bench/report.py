@@ -61,11 +61,13 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def style(stats: dict) -> dict[str, Any]:
-    """One colour family per strategy family; dashed for rank-dAD without error feedback."""
-    name, rank = stats["name"], stats["options"].get("rank", 1)
-    shade = {1: 0.45, 2: 0.6, 4: 0.8, 8: 1.0}.get(rank, 1.0)
+    """One colour family per strategy family; for rank-dAD dashed without error feedback,
+    dotted with the factors concatenated on the downlink."""
+    name, options = stats["name"], stats["options"]
+    shade = {1: 0.45, 2: 0.6, 4: 0.8, 8: 1.0}.get(options.get("rank", 1), 1.0)
     if name == "rankdad":
-        return {"color": plt.cm.Blues(shade), "linestyle": "--" if stats["options"].get("error_feedback") is False else "-"}
+        line = "--" if options.get("error_feedback") is False else ":" if options.get("reduce_on_server") is False else "-"
+        return {"color": plt.cm.Blues(shade), "linestyle": line}
     if name == "powersgd":
         return {"color": plt.cm.Oranges(shade), "linestyle": "-."}
     fixed = {"dsgd": ("black", "-"), "dad": ("tab:green", ":"), "auto": ("tab:olive", ":"), "edad": ("tab:purple", ":")}
@@ -162,7 +164,7 @@ def target_a_rows(results: dict, settings: list[dict]) -> tuple[list[list[str]],
         if applies:
             met[setting["key"]] = ok
         beats = beats_powersgd(best, power)
-        bound = cost["bound"][str(best["options"]["rank"])] if best else None
+        bound = rank_r_bound(cost, best["options"], group["sites"]) if best else None
         rows.append([
             setting["key"] + ("" if applies else " (not required)"), f"{group['sites']}, {group['partition']}",
             percent(group["target"]), human_bytes(dsgd["bytes_to_target"]) if dsgd["bytes_to_target"] else "–",
@@ -173,6 +175,13 @@ def target_a_rows(results: dict, settings: list[dict]) -> tuple[list[list[str]],
             {True: "**yes**", False: "no", None: "neither reached"}[beats],
         ])
     return rows, met
+
+
+def rank_r_bound(cost: dict, options: dict, sites: int) -> float:
+    """The bytes bound of a rank-dAD configuration: rank r up and down, or, with the factors
+    concatenated on the downlink, rank r up and sites × r down."""
+    bound = cost["bound"][str(options["rank"])]
+    return bound if options.get("reduce_on_server") is not False else bound * 2 / (1 + sites)
 
 
 def beats_powersgd(best: dict | None, power: dict | None) -> bool | None:
@@ -195,7 +204,8 @@ def versus_powersgd(results: dict, settings: list[dict]) -> dict[str, bool | Non
 
 
 def rank_for_rank_rows(results: dict, settings: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """Bytes ratio to dSGD's target, rank-dAD (with and without error feedback) beside PowerSGD, per rank."""
+    """Bytes ratio to dSGD's target, rank-dAD (with and without error feedback, re-reduced)
+    beside PowerSGD, per rank."""
     ranks = sorted({s["options"]["rank"] for g in results["groups"].values() for s in g["strategies"].values()
                     if s["name"] == "powersgd"})
     header = ["setting"] + [f"r={r}: {who}" for r in ranks for who in ("rank-dAD", "no EF", "PowerSGD")]
@@ -208,7 +218,8 @@ def rank_for_rank_rows(results: dict, settings: list[dict]) -> tuple[list[str], 
         for r in ranks:
             for name, ef in (("rankdad", True), ("rankdad", False), ("powersgd", None)):
                 found = [s for s in group["strategies"].values() if s["name"] == name and s["options"].get("rank") == r
-                         and (ef is None or (s["options"].get("error_feedback") is not False) == ef)]
+                         and (ef is None or (s["options"].get("error_feedback") is not False) == ef)
+                         and s["options"].get("reduce_on_server") is not False]
                 row.append("n/a" if not found else ratio(found[0]["bytes_ratio_vs_dsgd"]) if found[0]["bytes_ratio_vs_dsgd"]
                            else f"– ({percent(found[0]['curve_metric'][-1])}% at {found[0]['curve_steps'][-1]})")
         rows.append(row)

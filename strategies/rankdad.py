@@ -121,6 +121,16 @@ fewer bytes than dSGD 195× → 777× (Dirichlet(0.5): 214× → 851×; the best
 r=1 at 8 bits, 254× and 225×). 3.5M transformer, 4 seeds: r=4 reaches it at 160 steps
 (150 as floats in ``docs/benchmarks.md``, another CPU), 120× against 38×.
 
+**Concatenating on a link with latency** (``reduce_on_server=False``). The server sends
+every site's factors down side by side (rank ≤ S·r, S× the downlink bytes) and keeps no
+memory: nothing is dropped at the server, so fewer steps reach dSGD's target, each costing
+more bytes. Measured with the same preset (wide MLP, 4 sites, 16 seeds; IID /
+Dirichlet(0.5)): steps to the target at r=1 115 / 125 against the re-reduced 145 / 145,
+at r=2 130 / 115 against 130 / 125; at 8 bits, r=1 sends 392× / 395× fewer bytes than dSGD
+to the target against the re-reduced 777× / 851×. Re-reduction stays the default (bytes
+to target); where a step's time is round trips and compute rather than bytes, the
+benchmark's links part measures which is sooner.
+
 Exact when r ≥ the rank of every compressed matrix and factors are floats; at full rank
 (r ≥ min(m, k)) the memories stay at rounding level and every step is exact to fp32.
 ``tol`` > 0 drops components below tol·σ_max (the memories keep them). Components

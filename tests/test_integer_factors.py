@@ -189,7 +189,9 @@ def test_the_integer_factors_preset_codes_the_low_rank_strategies_only():
     """``--preset integer-factors``: the dominance workloads and the two settings of the ≥100×
     target (at their own ranks), rank-dAD and PowerSGD at 8 bits (labelled so, their cells
     apart from the float ones), dSGD as floats; the links' setting, the wide MLP, also runs
-    both at every rank as floats, on both splits, with the configurations the links run."""
+    both at every rank as floats, on both splits, with the configurations the links run,
+    and rank-dAD with its sites' factors concatenated on the downlink (not with one site,
+    where there is nothing to concatenate)."""
     from bench import links, matrix
 
     cells = matrix.cells(matrix.INTEGER_FACTORS, matrix.RANKS, exact=False)
@@ -208,3 +210,31 @@ def test_the_integer_factors_preset_codes_the_low_rank_strategies_only():
     compressed = {spec.display for spec in links.STRATEGIES if spec.name in ("rankdad", "powersgd")}
     assert any("8-bit" in label for label in compressed) and any("8-bit" not in label for label in compressed)
     assert {(partition, label) for partition in ("iid", "dirichlet") for label in compressed | {"dsgd"}} == wide
+    concatenated = {spec.display: spec.options["rank"] for spec in links.STRATEGIES
+                    if spec.options.get("reduce_on_server") is False}
+    assert concatenated == {f"rankdad r={r}{bits} concat": r for r in matrix.CONCATENATED_RANKS for bits in ("", " 8-bit")}
+    assert not concatenated.keys() & {spec.display for spec in links.ONE_SITE}
+
+
+@pytest.mark.parametrize("bits", [32, 8])
+def test_the_reports_bound_for_a_concatenated_downlink_is_what_it_sends(tmp_path, bits):
+    """With ``reduce_on_server=False`` each site receives every site's rank-r factors: S× its
+    upload. The report's bound for such a configuration (dSGD's bytes over its bytes per
+    step) is the rank-r bound times 2 / (1 + S), and that is the ratio the run measures."""
+    from bench.costs import breakdown
+    from bench.report import rank_r_bound
+
+    sites, rank, dense = 3, 2, breakdown("digits-mlp", {"hidden": 16, "seed": 0})
+    options = {"rank": rank, "raw_input": "low_rank", "reduce_on_server": False, "factor_bits": bits}
+    spec = StrategySpec(name="rankdad", options=options)
+    config = SimulationConfig(workload="digits-mlp", workload_options={"hidden": 16}, sites=sites, batch_size=8, steps=1,
+                              eval_every=1, device="cpu", strategies=[spec])
+    with MetricsWriter(tmp_path / "m.jsonl") as metrics:
+        sent = simulate(config, spec, metrics)
+    assert sent["bytes_up_per_step"] == sites * dense.low_rank_bytes(rank, factor_bits=bits)
+    assert sent["bytes_down_per_step"] == sites * sent["bytes_up_per_step"]
+    cost = {"bound": {str(rank): dense.bound(rank, factor_bits=bits)}}
+    dsgd_per_step = 2 * sites * 4 * dense.dense
+    measured = dsgd_per_step / (sent["bytes_up_per_step"] + sent["bytes_down_per_step"])
+    assert rank_r_bound(cost, options, sites) == pytest.approx(measured, rel=1e-12)
+    assert rank_r_bound(cost, {**options, "reduce_on_server": True}, sites) == cost["bound"][str(rank)]
