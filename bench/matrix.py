@@ -196,6 +196,12 @@ TARGET_SEEDS = (0, 1, 2, 3)
 WIDE_SEEDS = tuple(range(16))
 # 3.5M parameters: wide enough that the compressible matrices dominate (bound r=1 ≈ 140×).
 TRANSFORMER_3M = {"seq_len": 16, "d_model": 384, "layers": 2}
+# The wide MLP, the links' setting, also runs rank-dAD's and PowerSGD's factors as 8-bit codes,
+# and rank-dAD with the sites' factors concatenated on the downlink at these ranks (fewer steps
+# to the target for more bytes down: the choice on a link with latency), so the links' seconds
+# to target weigh every configuration a hospital could pick.
+INTEGER_BITS = 8
+CONCATENATED_RANKS = (1, 2)
 
 FULL: list[WorkloadSetting] = [
     WorkloadSetting("digits-mlp", "digits-mlp", {"hidden": 256}, SGD, 150, 10, 32, feed_forward=True, **_grid()),
@@ -207,7 +213,10 @@ FULL: list[WorkloadSetting] = [
     ),
     WorkloadSetting(
         "digits-mlp-wide", "digits-mlp", {"hidden": 1024}, SGD, 200, 5, 32, feed_forward=True, purpose="target",
-        note="1.1M parameters, sized so the compressible matrices dominate", ratio_target=True, local_steps=True,
+        note=f"1.1M parameters, sized so the compressible matrices dominate; factors as floats and as "
+        f"{INTEGER_BITS}-bit codes",
+        ratio_target=True, local_steps=True, factor_bits=(FULL_PRECISION, INTEGER_BITS),
+        concatenated_ranks=CONCATENATED_RANKS,
         **_grid(sites=(4,), seeds=WIDE_SEEDS),  # both splits and FedAvg/DiLoCo: the links' seconds to target use them
     ),
     WorkloadSetting(
@@ -253,22 +262,18 @@ DOMINANCE: list[WorkloadSetting] = [
 # the dominance preset's four workloads (target (b), every rank) and the two settings of
 # the ≥100× target, 4 sites, the full matrix's seeds. The 3.5M transformer runs IID at
 # ranks 2 and 4 (its cells take minutes each; rank 1 reached its target as floats on no
-# seed). The wide MLP, the links' setting, runs both splits at ranks 1, 2 and 4 as floats
-# and as codes, and rank-dAD at ranks 1 and 2 with the sites' factors concatenated on the
-# downlink (fewer steps to the target for more bytes down: the choice on a link with latency):
-# the links' seconds to target (``--parts links``) then weigh every configuration a hospital
-# could pick, measured in one run.
-INTEGER_BITS = 8
+# seed). The wide MLP, the links' setting, runs as in the full matrix (both splits, floats and
+# codes, rank-dAD's concatenated downlink) at ranks 1, 2 and 4, without the ablation and local
+# steps: the links' seconds to target (``--parts links``) then weigh every configuration a
+# hospital could pick, measured in one run.
 TARGET_RANKS = (2, 4)
 LINK_RANKS = (1, 2, 4)
-CONCATENATED_RANKS = (1, 2)
 _CODED = {"ablation": False, "local_steps": False}
 INTEGER_FACTORS: list[WorkloadSetting] = [replace(setting, factor_bits=(INTEGER_BITS,)) for setting in DOMINANCE] + [
     replace(setting, partitions=("iid",), factor_bits=(INTEGER_BITS,), ranks=TARGET_RANKS,
             note=f"{setting.note}; factors as {INTEGER_BITS}-bit codes", **_CODED)
     if setting.key != "digits-mlp-wide" else
-    replace(setting, factor_bits=(FULL_PRECISION, INTEGER_BITS), ranks=LINK_RANKS, concatenated_ranks=CONCATENATED_RANKS,
-            note=f"{setting.note}; factors as floats and as {INTEGER_BITS}-bit codes", **_CODED)
+    replace(setting, ranks=LINK_RANKS, **_CODED)
     for setting in FULL if setting.ratio_target
 ]
 

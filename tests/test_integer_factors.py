@@ -216,6 +216,23 @@ def test_the_integer_factors_preset_codes_the_low_rank_strategies_only():
     assert not concatenated.keys() & {spec.display for spec in links.ONE_SITE}
 
 
+def test_the_full_matrix_runs_every_configuration_the_links_time():
+    """``docs/benchmarks.md``'s seconds to target multiply the links' step times by the full
+    matrix's steps to target: its wide MLP runs every configuration the links time, on both
+    splits. The integer-factors preset's wide MLP cells are full-matrix cells (the same
+    simulation), so the two reports' steps to target agree."""
+    from bench import links, matrix
+    from bench.execute import simulation_config
+
+    full = {c.name: c for c in matrix.cells(matrix.FULL, matrix.RANKS) if c.setting.key == links.WIDE.key}
+    timed = {(partition, spec.display) for partition in ("iid", "dirichlet") for spec in links.STRATEGIES}
+    assert timed <= {(c.partition, c.strategy.display) for c in full.values()}
+    coded = [c for c in matrix.cells(matrix.INTEGER_FACTORS, matrix.RANKS, exact=False) if c.setting.key == links.WIDE.key]
+    assert len(coded) == 16 * 2 * (1 + 2 * 2 * len(matrix.LINK_RANKS) + 2 * len(matrix.CONCATENATED_RANKS))
+    for cell in coded:
+        assert simulation_config(cell) == simulation_config(full[cell.name]), cell.name
+
+
 @pytest.mark.parametrize("bits", [32, 8])
 def test_the_reports_bound_for_a_concatenated_downlink_is_what_it_sends(tmp_path, bits):
     """With ``reduce_on_server=False`` each site receives every site's rank-r factors: S× its
