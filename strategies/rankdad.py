@@ -128,8 +128,11 @@ more bytes. Measured with the same preset (wide MLP, 4 sites, 16 seeds; IID /
 Dirichlet(0.5)): steps to the target at r=1 115 / 125 against the re-reduced 145 / 145,
 at r=2 130 / 115 against 130 / 125; at 8 bits, r=1 sends 392× / 395× fewer bytes than dSGD
 to the target against the re-reduced 777× / 851×. Re-reduction stays the default (bytes
-to target); where a step's time is round trips and compute rather than bytes, the
-benchmark's links part measures which is sooner.
+to target). Where a step's time is round trips and compute rather than bytes, concatenating
+is sooner, and its steps are shorter too (the server skips the re-reduction): at 20 Mbit/s
+and 40 ms RTT, 8 bits, 4 sites and the coordinator on 2 cores, dSGD's target in 11.7 s IID
+(r=1) / 12.3 s Dirichlet (r=2), against the re-reduced 16.0 s / 15.9 s and the best
+PowerSGD's 21.5 s / 21.5 s (``docs/integer-factors/benchmarks.md``).
 
 Exact when r ≥ the rank of every compressed matrix and factors are floats; at full rank
 (r ≥ min(m, k)) the memories stay at rounding level and every step is exact to fp32.
