@@ -213,7 +213,7 @@ FULL: list[WorkloadSetting] = [
     ),
     WorkloadSetting(
         "digits-mlp-wide", "digits-mlp", {"hidden": 1024}, SGD, 200, 5, 32, feed_forward=True, purpose="target",
-        note=f"1.1M parameters, sized so the compressible matrices dominate; factors as floats and as "
+        note="1.1M parameters, sized so the compressible matrices dominate; factors as floats and as "
         f"{INTEGER_BITS}-bit codes",
         ratio_target=True, local_steps=True, factor_bits=(FULL_PRECISION, INTEGER_BITS),
         concatenated_ranks=CONCATENATED_RANKS,
