@@ -276,11 +276,6 @@ def analyse(out: Path, settings: list[WorkloadSetting], cells: list[Cell], size_
         run = load_run(summary_path)
         by_group[run.summary["group"]][StrategySpec(**run.summary["spec"]).display].append(run)
     by_key = {setting.key: setting for setting in settings}
-    cell_seconds = sum(run.summary["wall_seconds"] for runs in by_group.values() for group in runs.values() for run in group)
-    cell_count = sum(len(group) for runs in by_group.values() for group in runs.values())
-    machines = Counter(
-        run.summary.get("machine", UNRECORDED_MACHINE) for runs in by_group.values() for group in runs.values() for run in group
-    )
     trips_cache: dict[tuple[str, str], int] = {}
     groups = {}
     for group, labelled in sorted(by_group.items()):
@@ -304,6 +299,7 @@ def analyse(out: Path, settings: list[WorkloadSetting], cells: list[Cell], size_
             for stats in strategies.values():
                 if reference and stats.bytes_to_target:
                     stats.bytes_ratio_vs_dsgd = reference / stats.bytes_to_target
+        every_run = [run for runs in labelled.values() for run in runs]
         groups[group] = {
             "setting": setting.key,
             "sites": first["sites"],
@@ -312,6 +308,9 @@ def analyse(out: Path, settings: list[WorkloadSetting], cells: list[Cell], size_
             "target": target,
             "strategies": {label: asdict(stats) for label, stats in strategies.items()},
             "dominance": group_dominance(strategies),
+            "runs": len(every_run),
+            "run_seconds": sum(run.summary["wall_seconds"] for run in every_run),
+            "machines": dict(Counter(run.summary.get("machine", UNRECORDED_MACHINE) for run in every_run).most_common()),
         }
     costs = {}
     for setting in settings:
@@ -334,7 +333,19 @@ def analyse(out: Path, settings: list[WorkloadSetting], cells: list[Cell], size_
     failed = sorted(cell.name for cell in cells if cell_paths(out, cell)[0].with_suffix(".failed").exists())
     return {
         "groups": groups, "costs": costs, "sizes": sizes, "failed": failed, "settings": [asdict(s) for s in settings],
-        "cells": cell_count, "cell_seconds": cell_seconds, "machines": dict(machines.most_common()),
+        **totals(groups),
+    }
+
+
+def totals(groups: dict[str, dict]) -> dict[str, Any]:
+    """Runs, their process-seconds and the machines they ran on, over ``groups``."""
+    machines: Counter[str] = Counter()
+    for group in groups.values():
+        machines.update(group["machines"])
+    return {
+        "cells": sum(group["runs"] for group in groups.values()),
+        "cell_seconds": sum(group["run_seconds"] for group in groups.values()),
+        "machines": dict(machines.most_common()),
     }
 
 

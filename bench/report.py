@@ -346,16 +346,20 @@ def summary_lines(results: dict, settings: list[dict], links: dict | None, peers
 RUNTIME_PAGE = "runtime.md"  # hand-written beside the generated page
 
 
-def machine_lines(machines: dict[str, int]) -> list[str]:
+def machine_lines(results: dict) -> list[str]:
     """Which CPU and torch build the runs ran on. An approximate strategy's run repeats bit for bit
     on the same kind of machine; where the float kernels differ, so can its trajectory."""
+    machines = results.get("machines", {})
     if not machines:
         return []
     if set(machines) == {UNRECORDED_MACHINE}:
         return ["The runs did not record which machine they ran on.", ""]
     if len(machines) == 1:
         return [f"Every run ran on: {next(iter(machines))}.", ""]
-    kinds = "; ".join(f"{name} ({count} runs)" for name, count in machines.items())
+    settings = {
+        name: sorted({g["setting"] for g in results["groups"].values() if name in g["machines"]}) for name in machines
+    }
+    kinds = "; ".join(f"{name} ({count} runs: {', '.join(settings[name])})" for name, count in machines.items())
     return [
         f"The runs ran on {len(machines)} kinds of machine: {kinds}. Rounding differs between float kernels, so the"
         " approximate strategies' figures from different kinds are not bit-comparable.",
@@ -394,11 +398,13 @@ def write_report(
         ]
     lines += [
         f"{results['cells']} runs, {results['cell_seconds'] / 60:.0f} process-minutes in all (one torch thread per"
-        " process, on a machine of 2 CPU cores shared with other work)"
-        + (f"; the last invocation took {wall_minutes:.0f} minutes of wall time." if wall_minutes is not None else "."),
+        " process, `--jobs` processes sharing the machine's cores)"
+        + (f"; the last invocation took {wall_minutes:.0f} minutes of wall time." if wall_minutes is not None else ".")
+        + (" Measured in parts by several invocations of the same code (`--carry`, `bench/carry.py`)."
+           if results.get("carried") else ""),
         "",
     ]
-    lines += machine_lines(results.get("machines", {}))
+    lines += machine_lines(results)
     lines += [
         "## What is measured",
         "",

@@ -12,7 +12,13 @@
                                            # ~50 min); publishes docs/integer-factors/
 
 Finished cells are kept under ``--out`` and skipped when the command runs again, so an
-interrupted suite resumes; ``--report-only`` re-analyses what is there.
+interrupted suite resumes; ``--report-only`` re-analyses what is there. A preset longer
+than one sitting is measured in parts that ``--carry FILE`` merges (``bench/carry.py``),
+each part by the same code, on any machine; the published report is written once the
+parts cover every setting:
+
+    python -m bench.run --full --jobs 2 --parts matrix --workloads char-transformer-3m --carry bench/carried/full.json.gz
+    python -m bench.run --full --parts links --carry bench/carried/full.json.gz
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import links, matrix, peers
+from . import carry, links, matrix, peers
 from .analysis import analyse, write_results
 from .execute import run_cells
 from .report import write_report
@@ -50,13 +56,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--full", action="store_true", help="the whole matrix (same as --preset full)")
     parser.add_argument("--preset", choices=sorted(PRESETS), help="which matrix (default: smoke, or full with --full)")
     parser.add_argument("--out", type=Path, help=f"results folder (default {SMOKE_OUT}, or {FULL_OUT} with --full)")
-    parser.add_argument("--docs", type=Path, help=f"where benchmarks.md and img/ go (default: {DOCS} with --full, else --out)")
+    parser.add_argument("--docs", type=Path, help="where benchmarks.md and img/ go (default: the preset's published folder, "
+                        f"{DOCS} with --full, when the report covers every setting; else --out)")
     parser.add_argument("--workloads", help="comma-separated setting keys to run (default: all of the preset)")
     parser.add_argument("--seeds", help="comma-separated seeds replacing the preset's, e.g. 0,1,2")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes, one torch thread each (default 1)")
     parser.add_argument("--report-only", action="store_true", help="analyse the results already in --out; run nothing")
     parser.add_argument(
         "--parts", help="comma-separated parts to run: matrix, links, peers (default: all with --full, matrix otherwise)"
+    )
+    parser.add_argument(
+        "--carry", type=Path,
+        help="gzipped JSON of this preset's results from earlier invocations (same code): merged with this one's, "
+        "written back, and the report covers the union",
     )
     return parser.parse_args(argv)
 
@@ -66,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     name = args.preset or ("full" if args.full else "smoke")
     preset, ranks, exact, default_out, published = PRESETS[name]
     out = args.out or default_out
-    docs = args.docs or published or out
+    if args.carry is not None and args.seeds:
+        print("error: --carry merges runs of the preset's own seeds; leave out --seeds", file=sys.stderr)
+        return 2
     try:
         keys = args.workloads.split(",") if args.workloads else None
         seeds = tuple(int(s) for s in args.seeds.split(",")) if args.seeds else None
@@ -89,14 +103,32 @@ def main(argv: list[str] | None = None) -> int:
             (out / LINKS).write_text(json.dumps(links.measure(), indent=1))
         if "peers" in parts:
             (out / PEERS).write_text(json.dumps(peers.compare(), indent=1))
-    results = analyse(out, settings, cells, size_sweep=name == "full")
-    json_path, csv_path = write_results(results, out)
-    command = reproduce_command(name, args.workloads, args.seeds, out)
-    left_out = [s.key for s in preset if s.key not in {chosen.key for chosen in settings}]
     minutes = None if args.report_only else (time.perf_counter() - started) / 60
-    report = write_report(
-        results, docs, command, minutes, links=load(out / LINKS), peers=load(out / PEERS), left_out=left_out
-    )
+    if args.carry is None:
+        results = analyse(out, settings, cells, size_sweep=name == "full")
+        link_results, peer_results = load(out / LINKS), load(out / PEERS)
+        measured = {s.key for s in settings}
+    else:
+        # Costs for every setting of the preset; groups, links and peers from this invocation's parts only.
+        analysed = analyse(out, preset, cells if "matrix" in parts else [], size_sweep=name == "full")
+        try:
+            results, link_results, peer_results = carry.merge(
+                args.carry, name, analysed, *(load(out / file) if part in parts else None
+                                              for part, file in (("links", LINKS), ("peers", PEERS))),
+            )
+        except carry.CarryError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        measured = {group["setting"] for group in results["groups"].values()}
+        minutes = None  # the union took several invocations
+    json_path, csv_path = write_results(results, out)
+    left_out = [s.key for s in preset if s.key not in measured]
+    # Only a report on every setting replaces the published one; a partial report goes beside the results.
+    docs = args.docs or (published if published and not left_out else out)
+    held = {"links": link_results is not None, "peers": peer_results is not None}
+    selection = ",".join(s.key for s in preset if s.key in measured) if left_out else None
+    command = reproduce_command(name, selection, args.seeds, held)
+    report = write_report(results, docs, command, minutes, links=link_results, peers=peer_results, left_out=left_out)
     print(f"results: {json_path}, {csv_path}; report: {report}")
     if results["failed"]:
         print(f"{len(results['failed'])} cell(s) failed: see {report}", file=sys.stderr)
@@ -104,14 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def reproduce_command(preset: str, workloads: str | None, seeds: str | None, out: Path) -> str:
-    """The one command that measures what ``out`` holds: the preset, its selection, and the
-    parts whose results are there, whichever invocation measured them."""
+def reproduce_command(preset: str, workloads: str | None, seeds: str | None, held: dict[str, bool]) -> str:
+    """The one command that measures what the report holds: the preset, its selection, and the
+    parts whose results are there (``held``: links, peers), whichever invocation measured them."""
     command = "python -m bench.run" + {"smoke": "", "full": " --full --jobs 2"}.get(preset, f" --preset {preset} --jobs 2")
     command += "".join(f" --{flag} {value}" for flag, value in (("workloads", workloads), ("seeds", seeds)) if value)
-    held = ["matrix"] + [part for part, file in (("links", LINKS), ("peers", PEERS)) if (out / file).exists()]
-    if held != (["matrix", "links", "peers"] if preset == "full" else ["matrix"]):
-        command += f" --parts {','.join(held)}"
+    parts = ["matrix"] + [part for part in ("links", "peers") if held[part]]
+    if parts != (["matrix", "links", "peers"] if preset == "full" else ["matrix"]):
+        command += f" --parts {','.join(parts)}"
     return command
 
 

@@ -284,8 +284,12 @@ def test_the_report_says_which_machines_the_runs_ran_on(suite):
     assert results["machines"] == {machine(): results["cells"]}
     report = (out / "benchmarks.md").read_text()
     assert f"Every run ran on: {machine()}." in report
-    mixed = " ".join(machine_lines({"CPU A, AVX512 kernels, torch 2.13.0": 3, "not recorded": 2}))
+    a, b = "CPU A, AVX512 kernels, torch 2.13.0", "not recorded"
+    groups = {"x/2-iid": {"setting": "x", "machines": {a: 3}}, "y/2-iid": {"setting": "y", "machines": {a: 1, b: 2}}}
+    mixed = " ".join(machine_lines({"machines": {a: 4, b: 2}, "groups": groups}))
     assert "2 kinds of machine" in mixed and "not bit-comparable" in mixed
+    assert f"{a} (4 runs: x, y)" in mixed and f"{b} (2 runs: y)" in mixed, "each kind names the settings it ran"
+
 
 
 def test_the_dominance_table_shows_powersgds_lead_in_standard_errors(suite):
@@ -299,17 +303,89 @@ def test_the_dominance_table_shows_powersgds_lead_in_standard_errors(suite):
 
 
 @pytest.mark.parametrize(
-    "preset, workloads, files, expected",
+    "preset, workloads, parts, expected",
     [
         ("smoke", "digits-mlp", [], "python -m bench.run --workloads digits-mlp"),
-        ("integer-factors", None, ["links.json"], "python -m bench.run --preset integer-factors --jobs 2 --parts matrix,links"),
-        ("full", None, ["links.json", "peers.json"], "python -m bench.run --full --jobs 2"),
-        ("full", None, ["peers.json"], "python -m bench.run --full --jobs 2 --parts matrix,peers"),
+        ("integer-factors", None, ["links"], "python -m bench.run --preset integer-factors --jobs 2 --parts matrix,links"),
+        ("full", None, ["links", "peers"], "python -m bench.run --full --jobs 2"),
+        ("full", None, ["peers"], "python -m bench.run --full --jobs 2 --parts matrix,peers"),
     ],
 )
-def test_the_reproduce_command_names_the_parts_whose_results_the_folder_holds(tmp_path, preset, workloads, files, expected):
+def test_the_reproduce_command_names_the_parts_whose_results_the_report_holds(preset, workloads, parts, expected):
     from bench.run import reproduce_command
 
-    for name in files:  # written by an earlier invocation, e.g. `--parts links`
-        (tmp_path / name).write_text("{}")
-    assert reproduce_command(preset, workloads, None, tmp_path) == expected
+    held = {part: part in parts for part in ("links", "peers")}  # measured by this or an earlier invocation
+    assert reproduce_command(preset, workloads, None, held) == expected
+
+
+def bench_run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "bench.run", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_a_preset_measured_in_two_sittings_reports_as_one(suite, tmp_path):
+    """``--carry``: the digits MLP measured by the suite's invocation, the other three settings by
+    another into another folder; the second report covers all four, the first's groups unchanged."""
+    import gzip
+
+    out, results = suite
+    carried = tmp_path / "carried.json.gz"
+    first = bench_run("--workloads", "digits-mlp", "--out", str(out), "--report-only", "--carry", str(carried),
+                      "--docs", str(tmp_path / "first"))
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "Left out of this run" in (tmp_path / "first" / "benchmarks.md").read_text()
+    second_out = tmp_path / "second"
+    second = bench_run("--workloads", "digits-cnn,char-gru,char-transformer", "--out", str(second_out), "--carry", str(carried))
+    assert second.returncode == 0, second.stdout + second.stderr
+    union = json.loads((second_out / "results.json").read_text())
+    assert {g["setting"] for g in union["groups"].values()} == {"digits-mlp", "digits-cnn", "char-gru", "char-transformer"}
+    assert union["groups"]["digits-mlp/2-iid"] == results["groups"]["digits-mlp/2-iid"]
+    assert union["cells"] == sum(g["runs"] for g in union["groups"].values()) > results["cells"]
+    report = (second_out / "benchmarks.md").read_text()
+    assert "Left out of this run" not in report and "    python -m bench.run\n" in report, "the union is the whole preset"
+    # Results of other code are refused, not mixed in.
+    stale = json.loads(gzip.decompress(carried.read_bytes()))
+    carried.write_bytes(gzip.compress(json.dumps({**stale, "versions": {**stale["versions"], "matrix": "0" * 64}}).encode()))
+    refused = bench_run("--workloads", "digits-cnn", "--out", str(second_out), "--report-only", "--carry", str(carried))
+    assert refused.returncode == 2 and "holds matrix results measured with other code" in refused.stderr, refused.stderr
+    other = bench_run("--preset", "dominance", "--out", str(second_out), "--docs", str(tmp_path / "docs"), "--report-only",
+                      "--carry", str(carried))
+    assert other.returncode == 2 and "carries the 'smoke' preset's results" in other.stderr, other.stderr
+
+
+def test_carried_links_and_peers_stay_until_a_part_measures_them_again(tmp_path):
+    from bench.carry import merge
+
+    path = tmp_path / "carried.json.gz"
+    group = {"setting": "digits-mlp", "runs": 2, "run_seconds": 3.0, "machines": {"CPU A": 2}}
+    measured = {"groups": {"digits-mlp/2-iid": group}, "failed": ["digits-mlp/2-iid/seed0/dad"], "costs": {}}
+    merge(path, "smoke", measured, {"rates": "first"}, None)
+    nothing_run = {"groups": {}, "failed": [], "costs": {}}  # e.g. --report-only over an empty folder, or --parts peers
+    results, links, peers = merge(path, "smoke", nothing_run, None, {"steps": 100})
+    assert links == {"rates": "first"} and peers == {"steps": 100}, "each part keeps what the other measured"
+    assert results["groups"] == {"digits-mlp/2-iid": group} and results["failed"] == ["digits-mlp/2-iid/seed0/dad"]
+    assert (results["cells"], results["cell_seconds"], results["machines"]) == (2, 3.0, {"CPU A": 2})
+    again = {**group, "runs": 1, "machines": {"CPU B": 1}}
+    rerun = {"groups": {"digits-mlp/2-iid": again}, "failed": [], "costs": {}}
+    results, links, _ = merge(path, "smoke", rerun, {"rates": "second"}, None)
+    assert results["groups"] == {"digits-mlp/2-iid": again} and results["failed"] == [], "a setting run again replaces its own"
+    assert links == {"rates": "second"} and results["machines"] == {"CPU B": 1}
+
+
+def test_each_part_is_kept_only_while_its_own_sources_are_unchanged(tmp_path):
+    import gzip
+
+    from bench.carry import CarryError, code_versions, merge
+
+    path = tmp_path / "carried.json.gz"
+    group = {"setting": "digits-mlp", "runs": 1, "run_seconds": 1.0, "machines": {"CPU A": 1}}
+    merge(path, "smoke", {"groups": {"digits-mlp/2-iid": group}, "failed": []}, {"rates": "old"}, None)
+    carried = json.loads(gzip.decompress(path.read_bytes()))
+    assert carried["versions"] == code_versions() and len(set(code_versions().values())) == 3, "one hash per part"
+    # The links' sources changed since they were measured (bench/links.py, say): the matrix groups still count.
+    carried["versions"]["links"] = "0" * 64
+    path.write_bytes(gzip.compress(json.dumps(carried).encode()))
+    with pytest.raises(CarryError, match="holds links results measured with other code"):
+        merge(path, "smoke", {"groups": {}, "failed": []}, None, None)
+    results, links, _ = merge(path, "smoke", {"groups": {}, "failed": []}, {"rates": "new"}, None)
+    assert links == {"rates": "new"} and list(results["groups"]) == ["digits-mlp/2-iid"], "measured again, kept"
+    assert json.loads(gzip.decompress(path.read_bytes()))["versions"]["links"] == code_versions()["links"]

@@ -1,0 +1,101 @@
+"""Results carried between invocations, for a preset too long for one sitting.
+
+The full matrix and the links take longer than a sitting of a 2-core machine (the links
+alone about 70 minutes, which nothing else may share), and the per-step records under
+``bench/results/`` stay on the machine that ran them. ``python -m bench.run --carry FILE`` measures part of a preset (``--workloads``,
+``--parts``) and merges what it analysed with what FILE holds from earlier invocations:
+every group of the settings it did not run, the links' and the peers' results. It writes
+the union back to FILE (gzipped JSON, to commit beside the code) and reports on the union,
+so the preset's report can be completed over several sittings or machines.
+
+A part is carried only while the code that measured it is the code now: FILE records, for
+the matrix, the links and the peers apart, a hash of every source that decides their
+figures (the project's packages, and the benchmark's modules that part runs; not the
+report's rendering), and refuses to keep a part whose sources changed, rather than mix two
+versions' figures. The report names the machines each setting ran on, since approximate
+strategies follow different rounding on different float kernels.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from .analysis import totals
+
+ROOT = Path(__file__).resolve().parents[1]
+PROJECT = ("dadfl", "strategies", "workloads", "protos")  # every .py file below these folders
+RUNTIME = ("server", "client")  # the coordinator and site processes the links and the peer start
+BENCH = ("__init__", "matrix", "execute", "workloads")  # bench/ modules every part imports
+# Sources that decide each part's figures. The matrix runs the in-process simulation only.
+PART_SOURCES = {
+    "matrix": (PROJECT, BENCH + ("analysis", "costs")),
+    "links": (PROJECT + RUNTIME, BENCH + ("links", "delay_relay", "coordinator_process")),
+    "peers": (PROJECT + RUNTIME, BENCH + ("peers", "ddp_worker")),
+}
+
+
+def code_versions(root: Path = ROOT) -> dict[str, str]:
+    """Per part, sha256 over the path and bytes of each of its source files, in path order."""
+    versions = {}
+    for part, (folders, modules) in PART_SOURCES.items():
+        files = sorted(
+            [path for folder in folders for path in (root / folder).rglob("*.py")]
+            + [root / "bench" / f"{module}.py" for module in modules]
+        )
+        digest = hashlib.sha256()
+        for path in files:
+            digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+        versions[part] = digest.hexdigest()
+    return versions
+
+
+class CarryError(ValueError):
+    """A carried file that cannot be merged with this invocation."""
+
+
+def load(path: Path, preset: str) -> dict[str, Any] | None:
+    """The results carried in ``path`` for ``preset``, or None when there is no such file."""
+    if not path.exists():
+        return None
+    try:
+        carried = json.loads(gzip.decompress(path.read_bytes()))
+    except (OSError, ValueError) as exc:
+        raise CarryError(f"{path} is not a carried-results file ({exc.__class__.__name__}); name another file") from None
+    if carried.get("preset") != preset:
+        raise CarryError(f"{path} carries the {carried.get('preset')!r} preset's results, not {preset!r}'s; name another file")
+    return carried
+
+
+def merge(
+    path: Path, preset: str, measured: dict[str, Any], links: dict | None, peers: dict | None,
+) -> tuple[dict[str, Any], dict | None, dict | None]:
+    """Union of this invocation's ``measured`` results (links and peers where it has them) and
+    those carried in ``path``; write it back to ``path`` and return (results, links, peers).
+    A setting with groups in ``measured`` replaces its carried groups and failures."""
+    versions = code_versions()
+    carried = load(path, preset) or {"groups": {}, "failed": [], "links": None, "peers": None, "versions": versions}
+    ran = {group["setting"] for group in measured["groups"].values()}
+    kept = {name: group for name, group in carried["groups"].items() if group["setting"] not in ran}
+    kept_failed = {name for name in carried["failed"] if name.split("/", 1)[0] not in ran}
+    keeps = {"matrix": bool(kept or kept_failed), "links": links is None and carried["links"] is not None,
+             "peers": peers is None and carried["peers"] is not None}
+    stale = [part for part, kept_part in keeps.items() if kept_part and carried["versions"].get(part) != versions[part]]
+    if stale:
+        raise CarryError(
+            f"{path} holds {' and '.join(stale)} results measured with other code (their sources changed since): "
+            "measure them again into it (every setting for the matrix, --parts links, --parts peers) with the "
+            "code now, or name a new file"
+        )
+    groups = dict(sorted({**kept, **measured["groups"]}.items()))
+    failed = sorted(kept_failed | set(measured["failed"]))
+    links = links if links is not None else carried["links"]
+    peers = peers if peers is not None else carried["peers"]
+    union = {"preset": preset, "versions": versions, "groups": groups, "failed": failed, "links": links, "peers": peers}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # mtime 0: the same results give the same bytes, so an unchanged file shows no diff.
+    path.write_bytes(gzip.compress(json.dumps(union, sort_keys=True).encode(), mtime=0))
+    return {**measured, "groups": groups, "failed": failed, **totals(groups), "carried": True}, links, peers
