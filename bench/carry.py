@@ -2,11 +2,12 @@
 
 The full matrix and the links take longer than a sitting of a 2-core machine (the links
 alone about 70 minutes, which nothing else may share), and the per-step records under
-``bench/results/`` stay on the machine that ran them. ``python -m bench.run --carry FILE`` measures part of a preset (``--workloads``,
-``--parts``) and merges what it analysed with what FILE holds from earlier invocations:
-every group of the settings it did not run, the links' and the peers' results. It writes
-the union back to FILE (gzipped JSON, to commit beside the code) and reports on the union,
-so the preset's report can be completed over several sittings or machines.
+``bench/results/`` stay on the machine that ran them. ``python -m bench.run --carry FILE``
+measures part of a preset (``--workloads``, ``--parts``) and merges what it analysed with
+what FILE holds from earlier invocations: every group of the settings it did not run, the
+links' and the peers' results. It writes the union back to FILE (gzipped JSON, to commit
+beside the code) and reports on the union, so the preset's report can be completed over
+several sittings or machines.
 
 A part is carried only while the code that measured it is the code now: FILE records, for
 the matrix, the links and the peers apart, a hash of every source that decides their

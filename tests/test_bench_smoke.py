@@ -5,6 +5,7 @@ are complete and agree with the strategies' cost formulas.
 """
 
 import csv
+import gzip
 import json
 import math
 import statistics
@@ -325,8 +326,6 @@ def bench_run(*args: str) -> subprocess.CompletedProcess:
 def test_a_preset_measured_in_two_sittings_reports_as_one(suite, tmp_path):
     """``--carry``: the digits MLP measured by the suite's invocation, the other three settings by
     another into another folder; the second report covers all four, the first's groups unchanged."""
-    import gzip
-
     out, results = suite
     carried = tmp_path / "carried.json.gz"
     first = bench_run("--workloads", "digits-mlp", "--out", str(out), "--report-only", "--carry", str(carried),
@@ -372,8 +371,6 @@ def test_carried_links_and_peers_stay_until_a_part_measures_them_again(tmp_path)
 
 
 def test_each_part_is_kept_only_while_its_own_sources_are_unchanged(tmp_path):
-    import gzip
-
     from bench.carry import CarryError, code_versions, merge
 
     path = tmp_path / "carried.json.gz"
