@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             (out / LINKS).write_text(json.dumps(links.measure(), indent=1))
         if "peers" in parts:
             (out / PEERS).write_text(json.dumps(peers.compare(), indent=1))
-    minutes = None if args.report_only else (time.perf_counter() - started) / 60
+    # A union of carried parts took several invocations: no one wall time is its.
+    minutes = None if args.report_only or args.carry else (time.perf_counter() - started) / 60
     if args.carry is None:
         results = analyse(out, settings, cells, size_sweep=name == "full")
         link_results, peer_results = load(out / LINKS), load(out / PEERS)
@@ -120,7 +121,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         measured = {group["setting"] for group in results["groups"].values()}
-        minutes = None  # the union took several invocations
     json_path, csv_path = write_results(results, out)
     left_out = [s.key for s in preset if s.key not in measured]
     # Only a report on every setting replaces the published one; a partial report goes beside the results.

@@ -386,3 +386,7 @@ def test_each_part_is_kept_only_while_its_own_sources_are_unchanged(tmp_path):
     results, links, _ = merge(path, "smoke", {"groups": {}, "failed": []}, {"rates": "new"}, None)
     assert links == {"rates": "new"} and list(results["groups"]) == ["digits-mlp/2-iid"], "measured again, kept"
     assert json.loads(gzip.decompress(path.read_bytes()))["versions"]["links"] == code_versions()["links"]
+    # A gzipped JSON that is not one (hand-edited, truncated to its header) is refused by name, not a KeyError.
+    path.write_bytes(gzip.compress(json.dumps({"preset": "smoke", "groups": {}}).encode()))
+    with pytest.raises(CarryError, match="is not a carried-results file"):
+        merge(path, "smoke", {"groups": {}, "failed": []}, None, None)
