@@ -342,6 +342,12 @@ def step_summary(records: list[dict]) -> dict:
     }
 
 
+def clock() -> str:
+    """UTC time of day on each progress line: a measurement that shared the machine with
+    other work can be told from the lines that ran beside it."""
+    return time.strftime("%H:%M:%S", time.gmtime())
+
+
 def measure(steps: int = STEPS, log=print) -> dict:
     reason = unavailable()
     if reason:
@@ -367,10 +373,10 @@ def measure(steps: int = STEPS, log=print) -> dict:
                         summary = step_summary(run_strategy(network, spec, spec_steps, PORT, site_address, sites))
                     except RuntimeError as exc:  # recorded and reported; the other strategies still run
                         results["failed"][name] = str(exc).splitlines()[0] + " " + last_error(str(exc))
-                        log(f"{link_name:>22} {name:>20}: FAILED {results['failed'][name]}")
+                        log(f"{clock()} {link_name:>22} {name:>20}: FAILED {results['failed'][name]}")
                         continue
                     results.setdefault(kind, {}).setdefault(spec.display, {})[link_name] = summary
-                    log(f"{link_name:>22} {name:>20}: {summary['seconds']:.3f} s/step, "
+                    log(f"{clock()} {link_name:>22} {name:>20}: {summary['seconds']:.3f} s/step, "
                         f"{summary['wire_bytes_site'] / 1e3:.0f} KB per site on the wire")
     for kind in ("strategies", "one_site"):
         for runs in results.get(kind, {}).values():
