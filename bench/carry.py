@@ -69,8 +69,9 @@ def load(path: Path, preset: str) -> dict[str, Any] | None:
         carried = json.loads(gzip.decompress(path.read_bytes()))
     except (OSError, ValueError) as exc:
         raise CarryError(f"{path} is not a carried-results file ({exc.__class__.__name__}); name another file") from None
-    if not isinstance(carried, dict) or not CARRIED_KEYS <= set(carried):
-        raise CarryError(f"{path} is not a carried-results file (it lacks {', '.join(sorted(CARRIED_KEYS))}); name another file")
+    missing = CARRIED_KEYS - set(carried) if isinstance(carried, dict) else CARRIED_KEYS
+    if missing:
+        raise CarryError(f"{path} is not a carried-results file (it lacks {', '.join(sorted(missing))}); name another file")
     if carried.get("preset") != preset:
         raise CarryError(f"{path} carries the {carried.get('preset')!r} preset's results, not {preset!r}'s; name another file")
     return carried

@@ -388,5 +388,5 @@ def test_each_part_is_kept_only_while_its_own_sources_are_unchanged(tmp_path):
     assert json.loads(gzip.decompress(path.read_bytes()))["versions"]["links"] == code_versions()["links"]
     # A gzipped JSON that is not one (hand-edited, truncated to its header) is refused by name, not a KeyError.
     path.write_bytes(gzip.compress(json.dumps({"preset": "smoke", "groups": {}}).encode()))
-    with pytest.raises(CarryError, match="is not a carried-results file"):
+    with pytest.raises(CarryError, match=r"is not a carried-results file \(it lacks failed, links, peers, versions\)"):
         merge(path, "smoke", {"groups": {}, "failed": []}, None, None)
