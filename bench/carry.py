@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .analysis import totals
+from .analysis import matrix_order, totals
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = ("dadfl", "strategies", "workloads", "protos")  # every .py file below these folders
@@ -97,7 +97,10 @@ def merge(
             "measure them again into it (every setting for the matrix, --parts links, --parts peers) with the "
             "code now, or name a new file"
         )
-    groups = dict(sorted({**kept, **measured["groups"]}.items()))
+    # The file is written with sorted keys: tables list each group's strategies in the matrix's order,
+    # whether the group was measured now or carried.
+    groups = {name: {**group, "strategies": dict(sorted(group["strategies"].items(), key=lambda item: matrix_order(item[1])))}
+              for name, group in sorted({**kept, **measured["groups"]}.items())}
     failed = sorted(kept_failed | set(measured["failed"]))
     links = links if links is not None else carried["links"]
     peers = peers if peers is not None else carried["peers"]
