@@ -880,17 +880,28 @@ def choice_table(seconds: dict[tuple[str, str, str], float], groups: dict, links
     with one-site step times, a last column: rank-dAD or PowerSGD with those (a core per process)."""
     header = ["link", "split"] + list(FAMILIES) + ["fastest"] + (["fastest, one-site step times"] if one_site else [])
     rows = []
+    winners: dict[str, list[str]] = {}  # family -> the (link, split) pairs where it is fastest
+    exact_or_local: dict[str, list[str]] = {"exact": [], "local": []}  # the faster of the two families, per pair
     for link in links_names:
         for partition, group in groups.items():
             found = seconds_on(seconds, partition, link)
             row = [link, SPLITS[partition]]
-            for names in FAMILIES.values():
+            best_of: dict[str, float] = {}
+            for family_name, names in FAMILIES.items():
                 family = {label: t for label, t in found.items() if label.split()[0] in names}
                 best = min(family, key=family.get) if family else None
                 ran = any(label.split()[0] in names for label in group["strategies"])
                 row.append(f"{best}: {family[best]:.1f} s" if best else ("not reached" if ran else "not in the matrix"))
+                if best:
+                    best_of[family_name] = family[best]
             fastest = min(found, key=found.get) if found else None
             row.append(f"**{fastest}**" if fastest else "–")
+            pair = f"{link}, {SPLITS[partition]}"
+            if best_of:
+                winners.setdefault(min(best_of, key=best_of.get), []).append(pair)
+            exact, local = (best_of.get(name) for name in ("exact update (dsgd, dad, auto, edad)", "local steps (FedAvg, DiLoCo)"))
+            if exact and local:
+                exact_or_local["exact" if exact <= local else "local"].append(pair)
             if one_site:
                 alone = fastest_by_family(one_site, group["strategies"], link).values()
                 label, time_ = min(alone, key=lambda pick: pick[1]) if alone else ("–", None)
@@ -899,7 +910,17 @@ def choice_table(seconds: dict[tuple[str, str, str], float], groups: dict, links
     caption = "Which strategy reaches dSGD's target first, per link and split (seconds, from the tables above"
     if one_site:
         caption += "; the last column compares rank-dAD and PowerSGD only, with the step times of one site, a core per process"
-    return [caption + "):", "", *table(header, rows)]
+    pairs = len(rows)
+    statement = [f"- Fastest to dSGD's target: {family} on {len(won)} of {pairs} link and split pairs ({'; '.join(won)})."
+                 for family, won in winners.items()]
+    if exact_or_local["exact"] or exact_or_local["local"]:
+        local = exact_or_local["local"]
+        statement.append(
+            f"- The fastest exact update (dSGD's own) against the fastest local steps (FedAvg, DiLoCo, whose update is "
+            f"not dSGD's): exact sooner on {len(exact_or_local['exact'])} of {pairs} pairs, local steps on {len(local)}"
+            + (f" ({'; '.join(local)})." if local else ".")
+        )
+    return [caption + "):", "", *table(header, rows), "What to pick, from these seconds:", "", *statement, ""]
 
 
 def plot_metric_vs_seconds(links: dict, groups: dict, link: str, image: Path) -> bool:

@@ -148,7 +148,7 @@ def test_time_to_target_is_each_strategys_steps_times_its_step_time_on_the_link(
     """The report's time-to-target tables on the smoke results, with link step times given:
     seconds = steps to target × measured s/step; dad/auto/edad take dSGD's steps; the choice
     table names the fastest."""
-    from bench.report import time_to_target_section
+    from bench.report import FAMILIES, time_to_target_section
 
     _, results = suite
     group, stats = strategies(results)
@@ -177,6 +177,9 @@ def test_time_to_target_is_each_strategys_steps_times_its_step_time_on_the_link(
             assert f"| not reached | {spread} |" in row, row
     choice = next(line for line in text.splitlines() if line.startswith("| 1 Mbit/s, 40 ms RTT | IID |"))
     assert choice.endswith(f"**{slowest}** |"), choice
+    family = next(name for name, members in FAMILIES.items() if slowest.split()[0] in members)
+    pick = next(line for line in text.splitlines() if line.startswith("- Fastest to dSGD's target: "))
+    assert pick.startswith(f"- Fastest to dSGD's target: {family} on ") and "1 Mbit/s, 40 ms RTT, IID" in pick, pick
     assert (tmp_path / f"bench_{group['setting']}_metric_vs_seconds.png").stat().st_size > 0
 
 
