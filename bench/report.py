@@ -874,6 +874,11 @@ def versus_lines(runs_by_label: dict, strategies: dict, links_names: list[str], 
     return lines
 
 
+def family_of(name: str) -> str:
+    """The family (a ``FAMILIES`` key) of a strategy's name."""
+    return next(family for family, names in FAMILIES.items() if name in names)
+
+
 def choice_table(seconds: dict[tuple[str, str, str], float], groups: dict, links_names: list[str],
                  one_site: dict) -> list[str]:
     """Per link and split, the fastest strategy of each family to dSGD's target: which to pick;
@@ -899,8 +904,8 @@ def choice_table(seconds: dict[tuple[str, str, str], float], groups: dict, links
             pair = f"{link}, {SPLITS[partition]}"
             if best_of:
                 winners.setdefault(min(best_of, key=best_of.get), []).append(pair)
-            exact, local = (best_of.get(name) for name in ("exact update (dsgd, dad, auto, edad)", "local steps (FedAvg, DiLoCo)"))
-            if exact and local:
+            exact, local = (best_of.get(family_of(name)) for name in ("dsgd", "fedavg"))
+            if exact is not None and local is not None:
                 exact_or_local["exact" if exact <= local else "local"].append(pair)
             if one_site:
                 alone = fastest_by_family(one_site, group["strategies"], link).values()
