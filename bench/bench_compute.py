@@ -34,7 +34,8 @@ from dadfl.replica import OptimizerConfig, Replica
 from dadfl.simulation import StrategySpec
 from dadfl.workloads import load_workload, partition, site_batches
 
-from .matrix import WIDE, strategy_specs
+from .matrix import strategy_specs
+from .presets import WIDE
 
 SITES = WIDE.sites[0]  # the setting's 4 sites; --sites 1 keeps the first one's share
 DEFAULT = [spec for spec in strategy_specs(feed_forward=True, ranks=(1, 2), exact=False, ablation=False)

@@ -9,23 +9,32 @@ links' and the peers' results. It writes the union back to FILE (gzipped JSON, t
 beside the code) and reports on the union, so the preset's report can be completed over
 several sittings or machines.
 
-A part is carried only while the code that measured it is the code now: FILE records, for
-the matrix, the links and the peers apart, a hash of every source that decides their
-figures (the project's packages, and the benchmark's modules that part runs; not the
-report's rendering), and refuses to keep a part whose sources changed, rather than mix two
-versions' figures. The report names the machines each setting ran on, since approximate
-strategies follow different rounding on different float kernels.
+A part is carried only while the code and the settings that measured it are those now.
+FILE records, for the matrix, the links and the peers apart, a hash of every source that
+decides their figures (the project's packages, and the benchmark's modules that part runs;
+not the report's rendering, nor ``bench/presets.py``), and refuses to keep a part whose
+sources changed, rather than mix two versions' figures. Settings are checked one group at a
+time: each carried group holds a hash of its cells (setting, steps, seeds, strategies), so
+changing one setting in ``bench/presets.py`` asks for that setting to be measured again and
+keeps the others; the links' hash covers the setting and the strategies they run. The
+report names the machines each setting ran on, since approximate strategies follow
+different rounding on different float kernels.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import hashlib
 import json
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 from .analysis import matrix_order, totals
+from .links import STRATEGIES as LINK_STRATEGIES
+from .matrix import Cell
+from .presets import WIDE
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = ("dadfl", "strategies", "workloads", "protos")  # every .py file below these folders
@@ -50,8 +59,20 @@ def code_versions(root: Path = ROOT) -> dict[str, str]:
         digest = hashlib.sha256()
         for path in files:
             digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+        if part == "links":  # what the links run is chosen in bench/presets.py, which no part hashes
+            digest.update(repr((WIDE, LINK_STRATEGIES)).encode())
         versions[part] = digest.hexdigest()
     return versions
+
+
+def configurations(cells: list[Cell]) -> dict[str, str]:
+    """Per group, sha256 over what each of its cells runs: its name, steps, setting (less its
+    note, which only the report shows) and strategy."""
+    runs = defaultdict(list)
+    for cell in cells:
+        setting = dataclasses.replace(cell.setting, note="")
+        runs[cell.group].append(repr((cell.name, cell.steps, setting, cell.strategy)))
+    return {group: hashlib.sha256("\n".join(sorted(found)).encode()).hexdigest() for group, found in runs.items()}
 
 
 CARRIED_KEYS = {"preset", "versions", "groups", "failed", "links", "peers"}
@@ -79,10 +100,12 @@ def load(path: Path, preset: str) -> dict[str, Any] | None:
 
 def merge(
     path: Path, preset: str, measured: dict[str, Any], links: dict | None, peers: dict | None,
+    configured: dict[str, str],
 ) -> tuple[dict[str, Any], dict | None, dict | None]:
     """Union of this invocation's ``measured`` results (links and peers where it has them) and
     those carried in ``path``; write it back to ``path`` and return (results, links, peers).
-    A setting with groups in ``measured`` replaces its carried groups and failures."""
+    A setting with groups in ``measured`` replaces its carried groups and failures.
+    ``configured``: ``configurations`` of every cell of the preset now."""
     versions = code_versions()
     carried = load(path, preset) or {"groups": {}, "failed": [], "links": None, "peers": None, "versions": versions}
     ran = {group["setting"] for group in measured["groups"].values()}
@@ -97,10 +120,17 @@ def merge(
             "measure them again into it (every setting for the matrix, --parts links, --parts peers) with the "
             "code now, or name a new file"
         )
+    changed = sorted({group["setting"] for name, group in kept.items() if group.get("configuration") != configured.get(name)})
+    if changed:
+        raise CarryError(
+            f"{path} holds {', '.join(changed)} results measured with other settings (bench/presets.py changed their "
+            f"cells since): measure them again into it (--workloads {','.join(changed)}), or name a new file"
+        )
+    measured_groups = {name: {**group, "configuration": configured[name]} for name, group in measured["groups"].items()}
     # The file is written with sorted keys: tables list each group's strategies in the matrix's order,
     # whether the group was measured now or carried.
     groups = {name: {**group, "strategies": dict(sorted(group["strategies"].items(), key=lambda item: matrix_order(item[1])))}
-              for name, group in sorted({**kept, **measured["groups"]}.items())}
+              for name, group in sorted({**kept, **measured_groups}.items())}
     failed = sorted(kept_failed | set(measured["failed"]))
     links = links if links is not None else carried["links"]
     peers = peers if peers is not None else carried["peers"]

@@ -63,7 +63,8 @@ from dadfl.simulation import SimulationConfig, StrategySpec
 from dadfl.strategies.quantize import FULL_PRECISION
 
 from .execute import run_part
-from .matrix import CONCATENATED_RANKS, INTEGER_BITS, LINK_RANKS, WIDE, strategy_specs
+from .matrix import strategy_specs
+from .presets import CONCATENATED_RANKS, INTEGER_BITS, LINK_RANKS, WIDE
 
 SITES = WIDE.sites[0]  # the setting's sites: the matrix's steps to target for it set the seconds to target
 STEPS = 6

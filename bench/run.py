@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import carry, links, matrix, peers
+from . import carry, links, matrix, peers, presets
 from .analysis import analyse, write_results
 from .execute import run_cells
 from .report import write_report
@@ -39,12 +39,12 @@ FULL_OUT = Path("bench/results/full")
 DOCS = Path("docs")
 # preset -> (settings, ranks, exact strategies too, results folder, published docs folder or None)
 PRESETS = {
-    "smoke": (matrix.SMOKE, matrix.SMOKE_RANKS, True, SMOKE_OUT, None),
-    "full": (matrix.FULL, matrix.RANKS, True, FULL_OUT, DOCS),
-    "rankdad-ef": (matrix.RANKDAD_EF, matrix.EF_RANKS, False, Path("bench/results/rankdad-ef"), DOCS / "rankdad-ef"),
-    "dominance": (matrix.DOMINANCE, matrix.RANKS, False, Path("bench/results/dominance"), DOCS / "dominance"),
+    "smoke": (presets.SMOKE, presets.SMOKE_RANKS, True, SMOKE_OUT, None),
+    "full": (presets.FULL, matrix.RANKS, True, FULL_OUT, DOCS),
+    "rankdad-ef": (presets.RANKDAD_EF, presets.EF_RANKS, False, Path("bench/results/rankdad-ef"), DOCS / "rankdad-ef"),
+    "dominance": (presets.DOMINANCE, matrix.RANKS, False, Path("bench/results/dominance"), DOCS / "dominance"),
     "integer-factors": (
-        matrix.INTEGER_FACTORS, matrix.RANKS, False, Path("bench/results/integer-factors"),
+        presets.INTEGER_FACTORS, matrix.RANKS, False, Path("bench/results/integer-factors"),
         DOCS / "integer-factors",
     ),
 }
@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             results, link_results, peer_results = carry.merge(
                 args.carry, name, analysed, *(load(out / file) if part in parts else None
                                               for part, file in (("links", LINKS), ("peers", PEERS))),
+                carry.configurations(matrix.cells(preset, ranks, exact)),
             )
         except carry.CarryError as exc:
             print(f"error: {exc}", file=sys.stderr)

@@ -11,6 +11,7 @@ import math
 import statistics
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -93,19 +94,17 @@ def test_strategies_that_catch_up_are_judged_at_dsgds_last_step_and_reach_the_ta
 def test_a_finished_cell_runs_again_when_its_setting_changes_length_or_grid(suite):
     """The suite resumes by skipping finished cells; a finished cell of another length or
     evaluation grid is stale and runs again instead of being reused."""
-    from dataclasses import replace
-
-    from bench import matrix
+    from bench import matrix, presets
     from bench.analysis import analyse
     from bench.execute import pending
 
     out, _ = suite
-    (setting,) = matrix.select(matrix.SMOKE, ["digits-mlp"], None)
-    cells = matrix.cells([setting], matrix.SMOKE_RANKS)
+    (setting,) = matrix.select(presets.SMOKE, ["digits-mlp"], None)
+    cells = matrix.cells([setting], presets.SMOKE_RANKS)
     assert pending(cells, out) == []
-    longer = matrix.cells([replace(setting, catch_up=3)], matrix.SMOKE_RANKS)
+    longer = matrix.cells([replace(setting, catch_up=3)], presets.SMOKE_RANKS)
     assert {c.strategy.display for c in pending(longer, out)} == {c.strategy.display for c in longer} - set(EXACT)
-    regridded = matrix.cells([replace(setting, eval_every=10)], matrix.SMOKE_RANKS)
+    regridded = matrix.cells([replace(setting, eval_every=10)], presets.SMOKE_RANKS)
     assert len(pending(regridded, out)) == len(regridded)
     # The analysis reads only runs of the matrix as it is now: the stale ones are left out.
     (group,) = analyse(out, [replace(setting, catch_up=3)], longer)["groups"].values()
@@ -113,11 +112,9 @@ def test_a_finished_cell_runs_again_when_its_setting_changes_length_or_grid(suit
 
 
 def test_a_setting_whose_last_step_is_off_the_grid_of_those_that_catch_up_is_refused():
-    from dataclasses import replace
+    from bench import matrix, presets
 
-    from bench import matrix
-
-    (setting,) = matrix.select(matrix.SMOKE, ["digits-mlp"], None)
+    (setting,) = matrix.select(presets.SMOKE, ["digits-mlp"], None)
     assert replace(setting, eval_every=10).catch_up == CATCH_UP  # 30 steps, every 10: on the grid
     with pytest.raises(ValueError, match="a multiple of eval_every"):
         replace(setting, eval_every=7)
@@ -350,7 +347,8 @@ def test_a_preset_measured_in_two_sittings_reports_as_one(suite, tmp_path):
     assert second.returncode == 0, second.stdout + second.stderr
     union = json.loads((second_out / "results.json").read_text())
     assert {g["setting"] for g in union["groups"].values()} == {"digits-mlp", "digits-cnn", "char-gru", "char-transformer"}
-    assert union["groups"]["digits-mlp/2-iid"] == results["groups"]["digits-mlp/2-iid"]
+    configuration = smoke_configurations()["digits-mlp/2-iid"]  # what each carried group is checked against
+    assert union["groups"]["digits-mlp/2-iid"] == {**results["groups"]["digits-mlp/2-iid"], "configuration": configuration}
     assert union["cells"] == sum(g["runs"] for g in union["groups"].values()) > results["cells"]
     report = (second_out / "benchmarks.md").read_text()
     assert "Left out of this run" not in report and "    python -m bench.run\n" in report, "the union is the whole preset"
@@ -364,46 +362,83 @@ def test_a_preset_measured_in_two_sittings_reports_as_one(suite, tmp_path):
     assert other.returncode == 2 and "carries the 'smoke' preset's results" in other.stderr, other.stderr
 
 
+def smoke_configurations(**changes) -> dict[str, str]:
+    """The smoke preset's group configurations, with ``changes`` made to its digits MLP setting."""
+    from bench import matrix, presets
+    from bench.carry import configurations
+
+    settings = [replace(s, **changes) if s.key == "digits-mlp" else s for s in presets.SMOKE]
+    return configurations(matrix.cells(settings, presets.SMOKE_RANKS))
+
+
 def test_carried_links_and_peers_stay_until_a_part_measures_them_again(tmp_path):
     from bench.carry import merge
 
+    configured = smoke_configurations()
     path = tmp_path / "carried.json.gz"
     # In the matrix's order, which is not the alphabetical one the file's sorted keys give back.
     strategies = {label: {"name": label.split()[0], "options": {"rank": 1} if " " in label else {}}
                   for label in ("dsgd", "auto", "rankdad r=1", "powersgd r=1")}
     group = {"setting": "digits-mlp", "runs": 2, "run_seconds": 3.0, "machines": {"CPU A": 2}, "strategies": strategies}
     measured = {"groups": {"digits-mlp/2-iid": group}, "failed": ["digits-mlp/2-iid/seed0/dad"], "costs": {}}
-    merge(path, "smoke", measured, {"rates": "first"}, None)
+    merge(path, "smoke", measured, {"rates": "first"}, None, configured)
     nothing_run = {"groups": {}, "failed": [], "costs": {}}  # e.g. --report-only over an empty folder, or --parts peers
-    results, links, peers = merge(path, "smoke", nothing_run, None, {"steps": 100})
+    results, links, peers = merge(path, "smoke", nothing_run, None, {"steps": 100}, configured)
     assert list(results["groups"]["digits-mlp/2-iid"]["strategies"]) == list(strategies), "carried groups keep the matrix's order"
     assert links == {"rates": "first"} and peers == {"steps": 100}, "each part keeps what the other measured"
-    assert results["groups"] == {"digits-mlp/2-iid": group} and results["failed"] == ["digits-mlp/2-iid/seed0/dad"]
+    kept = {**group, "configuration": configured["digits-mlp/2-iid"]}
+    assert results["groups"] == {"digits-mlp/2-iid": kept} and results["failed"] == ["digits-mlp/2-iid/seed0/dad"]
     assert (results["cells"], results["cell_seconds"], results["machines"]) == (2, 3.0, {"CPU A": 2})
     again = {**group, "runs": 1, "machines": {"CPU B": 1}}
     rerun = {"groups": {"digits-mlp/2-iid": again}, "failed": [], "costs": {}}
-    results, links, _ = merge(path, "smoke", rerun, {"rates": "second"}, None)
-    assert results["groups"] == {"digits-mlp/2-iid": again} and results["failed"] == [], "a setting run again replaces its own"
+    results, links, _ = merge(path, "smoke", rerun, {"rates": "second"}, None, configured)
+    assert results["groups"] == {"digits-mlp/2-iid": {**again, "configuration": kept["configuration"]}} and results["failed"] == [], "a setting run again replaces its own"
     assert links == {"rates": "second"} and results["machines"] == {"CPU B": 1}
 
 
 def test_each_part_is_kept_only_while_its_own_sources_are_unchanged(tmp_path):
     from bench.carry import CarryError, code_versions, merge
 
+    configured = smoke_configurations()
     path = tmp_path / "carried.json.gz"
     group = {"setting": "digits-mlp", "runs": 1, "run_seconds": 1.0, "machines": {"CPU A": 1}, "strategies": {}}
-    merge(path, "smoke", {"groups": {"digits-mlp/2-iid": group}, "failed": []}, {"rates": "old"}, None)
+    merge(path, "smoke", {"groups": {"digits-mlp/2-iid": group}, "failed": []}, {"rates": "old"}, None, configured)
     carried = json.loads(gzip.decompress(path.read_bytes()))
     assert carried["versions"] == code_versions() and len(set(code_versions().values())) == 3, "one hash per part"
     # The links' sources changed since they were measured (bench/links.py, say): the matrix groups still count.
     carried["versions"]["links"] = "0" * 64
     path.write_bytes(gzip.compress(json.dumps(carried).encode()))
     with pytest.raises(CarryError, match="holds links results measured with other code"):
-        merge(path, "smoke", {"groups": {}, "failed": []}, None, None)
-    results, links, _ = merge(path, "smoke", {"groups": {}, "failed": []}, {"rates": "new"}, None)
+        merge(path, "smoke", {"groups": {}, "failed": []}, None, None, configured)
+    results, links, _ = merge(path, "smoke", {"groups": {}, "failed": []}, {"rates": "new"}, None, configured)
     assert links == {"rates": "new"} and list(results["groups"]) == ["digits-mlp/2-iid"], "measured again, kept"
     assert json.loads(gzip.decompress(path.read_bytes()))["versions"]["links"] == code_versions()["links"]
     # A gzipped JSON that is not one (hand-edited, truncated to its header) is refused by name, not a KeyError.
     path.write_bytes(gzip.compress(json.dumps({"preset": "smoke", "groups": {}}).encode()))
     with pytest.raises(CarryError, match=r"is not a carried-results file \(it lacks failed, links, peers, versions\)"):
-        merge(path, "smoke", {"groups": {}, "failed": []}, None, None)
+        merge(path, "smoke", {"groups": {}, "failed": []}, None, None, configured)
+
+
+def test_a_changed_setting_asks_for_that_setting_alone_to_be_measured_again(tmp_path, monkeypatch):
+    """Each carried group is checked against its own setting's cells: a longer catch-up for the
+    digits MLP refuses its carried groups by name and keeps the CNN's; a new note changes no cell."""
+    from bench import carry, presets
+    from bench.carry import CarryError, code_versions, merge
+
+    path = tmp_path / "carried.json.gz"
+    groups = {name: {"setting": name.split("/")[0], "runs": 1, "run_seconds": 1.0, "machines": {"CPU A": 1}, "strategies": {}}
+              for name in ("digits-mlp/2-iid", "digits-cnn/2-dirichlet")}
+    merge(path, "smoke", {"groups": groups, "failed": []}, None, None, smoke_configurations())
+    assert smoke_configurations(note="reworded") == smoke_configurations(), "the note is the report's, not a cell's"
+    longer = smoke_configurations(catch_up=3)
+    assert longer["digits-cnn/2-dirichlet"] == smoke_configurations()["digits-cnn/2-dirichlet"]
+    with pytest.raises(CarryError, match=r"holds digits-mlp results measured with other settings .*--workloads digits-mlp\)"):
+        merge(path, "smoke", {"groups": {}, "failed": []}, None, None, longer)
+    again = {**groups["digits-mlp/2-iid"], "runs": 2}
+    results, _, _ = merge(path, "smoke", {"groups": {"digits-mlp/2-iid": again}, "failed": []}, None, None, longer)
+    assert results["groups"]["digits-mlp/2-iid"]["runs"] == 2 and "digits-cnn/2-dirichlet" in results["groups"]
+    # The links run the wide MLP's setting, chosen in bench/presets.py: a change to it is a change to the links' part.
+    before = code_versions()
+    monkeypatch.setattr(carry, "WIDE", replace(presets.WIDE, batch_size=2 * presets.WIDE.batch_size))
+    after = code_versions()
+    assert after["links"] != before["links"] and {p: after[p] for p in ("matrix", "peers")} == {p: before[p] for p in ("matrix", "peers")}

@@ -192,13 +192,13 @@ def test_the_integer_factors_preset_codes_the_low_rank_strategies_only():
     both at every rank as floats, on both splits, with the configurations the links run,
     and rank-dAD with its sites' factors concatenated on the downlink (not with one site,
     where there is nothing to concatenate)."""
-    from bench import links, matrix
+    from bench import links, matrix, presets
 
-    cells = matrix.cells(matrix.INTEGER_FACTORS, matrix.RANKS, exact=False)
+    cells = matrix.cells(presets.INTEGER_FACTORS, matrix.RANKS, exact=False)
     assert {c.setting.key for c in cells} == {"digits-mlp", "digits-cnn", "char-gru", "char-transformer",
                                               "digits-mlp-wide", "char-transformer-3m"}
     ranks = {(c.setting.key, c.strategy.options["rank"]) for c in cells if "rank" in c.strategy.options}
-    assert {r for key, r in ranks if key == "char-transformer-3m"} == set(matrix.TARGET_RANKS)
+    assert {r for key, r in ranks if key == "char-transformer-3m"} == set(presets.TARGET_RANKS)
     assert {r for key, r in ranks if key == "digits-cnn"} == set(matrix.RANKS)
     for cell in cells:
         coded = cell.strategy.name in ("rankdad", "powersgd")
@@ -212,7 +212,7 @@ def test_the_integer_factors_preset_codes_the_low_rank_strategies_only():
     assert {(partition, label) for partition in ("iid", "dirichlet") for label in compressed | {"dsgd"}} == wide
     concatenated = {spec.display: spec.options["rank"] for spec in links.STRATEGIES
                     if spec.options.get("reduce_on_server") is False}
-    assert concatenated == {f"rankdad r={r}{bits} concat": r for r in matrix.CONCATENATED_RANKS for bits in ("", " 8-bit")}
+    assert concatenated == {f"rankdad r={r}{bits} concat": r for r in presets.CONCATENATED_RANKS for bits in ("", " 8-bit")}
     assert not concatenated.keys() & {spec.display for spec in links.ONE_SITE}
 
 
@@ -221,14 +221,14 @@ def test_the_full_matrix_runs_every_configuration_the_links_time():
     matrix's steps to target: its wide MLP runs every configuration the links time, on both
     splits. The integer-factors preset's wide MLP cells are full-matrix cells (the same
     simulation), so the two reports' steps to target agree."""
-    from bench import links, matrix
+    from bench import links, matrix, presets
     from bench.execute import simulation_config
 
-    full = {c.name: c for c in matrix.cells(matrix.FULL, matrix.RANKS) if c.setting.key == links.WIDE.key}
+    full = {c.name: c for c in matrix.cells(presets.FULL, matrix.RANKS) if c.setting.key == links.WIDE.key}
     timed = {(partition, spec.display) for partition in ("iid", "dirichlet") for spec in links.STRATEGIES}
     assert timed <= {(c.partition, c.strategy.display) for c in full.values()}
-    coded = [c for c in matrix.cells(matrix.INTEGER_FACTORS, matrix.RANKS, exact=False) if c.setting.key == links.WIDE.key]
-    assert len(coded) == 16 * 2 * (1 + 2 * 2 * len(matrix.LINK_RANKS) + 2 * len(matrix.CONCATENATED_RANKS))
+    coded = [c for c in matrix.cells(presets.INTEGER_FACTORS, matrix.RANKS, exact=False) if c.setting.key == links.WIDE.key]
+    assert len(coded) == 16 * 2 * (1 + 2 * 2 * len(presets.LINK_RANKS) + 2 * len(presets.CONCATENATED_RANKS))
     for cell in coded:
         assert simulation_config(cell) == simulation_config(full[cell.name]), cell.name
 
