@@ -19,6 +19,12 @@ changing one setting in ``bench/presets.py`` asks for that setting to be measure
 keeps the others; the links' hash covers the setting and the strategies they run. The
 report names the machines each setting ran on, since approximate strategies follow
 different rounding on different float kernels.
+
+The per-step records of a results folder (``--out``) are carried between invocations too:
+an interrupted suite resumes by skipping the cells already finished there. The folder's
+``measured.json`` records, for every run, a hash of the code and of the simulation that
+measured it, so a run that the code and settings now would not produce is measured again
+(or, with ``--report-only``, refused), never analysed as if it were theirs.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from .analysis import matrix_order, totals
+from .execute import cell_paths, simulation_config
 from .links import STRATEGIES as LINK_STRATEGIES
 from .matrix import Cell
 from .presets import WIDE
@@ -73,6 +80,33 @@ def configurations(cells: list[Cell]) -> dict[str, str]:
         setting = dataclasses.replace(cell.setting, note="")
         runs[cell.group].append(repr((cell.name, cell.steps, setting, cell.strategy)))
     return {group: hashlib.sha256("\n".join(sorted(found)).encode()).hexdigest() for group, found in runs.items()}
+
+
+RECORD = "measured.json"  # in a results folder: per run, what measured it
+
+
+def run_digests(cells: list[Cell]) -> dict[str, str]:
+    """Per cell, sha256 over the matrix's code and the simulation the cell runs."""
+    code = code_versions()["matrix"]
+    return {cell.name: hashlib.sha256((code + simulation_config(cell).model_dump_json()).encode()).hexdigest()
+            for cell in cells}
+
+
+def runs_of_others(out: Path, cells: list[Cell]) -> list[Cell]:
+    """Cells with a finished run in ``out`` that the code and settings now did not measure:
+    recorded with another hash, or not recorded (a folder written before the record)."""
+    record = out / RECORD
+    recorded = json.loads(record.read_text()) if record.exists() else {}
+    digests = run_digests(cells)
+    return [cell for cell in cells if cell_paths(out, cell)[1].exists() and recorded.get(cell.name) != digests[cell.name]]
+
+
+def record_runs(out: Path, cells: list[Cell]) -> None:
+    """Record what measures ``cells`` in ``out`` now (before they run: a run's summary is written
+    only once it finished, by this code)."""
+    record = out / RECORD
+    recorded = json.loads(record.read_text()) if record.exists() else {}
+    record.write_text(json.dumps({**recorded, **run_digests(cells)}, indent=0, sort_keys=True))
 
 
 CARRIED_KEYS = {"preset", "versions", "groups", "failed", "links", "peers"}

@@ -20,7 +20,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from dadfl.report import human_bytes  # noqa: E402
 from dadfl.strategies.quantize import FULL_PRECISION  # noqa: E402
 
-from .analysis import TARGET_TOLERANCE, UNRECORDED_MACHINE  # noqa: E402
+from .analysis import TARGET_TOLERANCE, UNRECORDED_MACHINE, matrix_order  # noqa: E402
+from .links import STRATEGIES as LINK_STRATEGIES  # noqa: E402
 
 TARGET_RATIO = 100
 DOMINANCE_NEEDED = 3
@@ -650,7 +651,7 @@ def links_section(links: dict | None) -> list[str]:
     for rate in rates:
         header += [f"{rate}: s / step", "bound", "× bound"]
     rows, within = [], []
-    for label, runs in links["strategies"].items():
+    for label, runs in in_matrix_order(links["strategies"]):
         row = [label, str(runs["unshaped"]["phases"]), human_bytes(runs[rates[0]]["wire_bytes_site"]),
                f"{runs['unshaped']['seconds']:.3f}"]
         for rate in rates:
@@ -678,6 +679,13 @@ def links_section(links: dict | None) -> list[str]:
     return lines
 
 
+def in_matrix_order(runs_by_label: dict[str, dict]) -> list[tuple[str, dict]]:
+    """The links' runs in the order the matrix's tables list strategies (a carried file's keys
+    come back sorted); labels the links no longer run go last."""
+    order = {spec.display: matrix_order({"name": spec.name, "options": spec.options}) for spec in LINK_STRATEGIES}
+    return sorted(runs_by_label.items(), key=lambda item: (item[0] not in order, order.get(item[0], ()), item[0]))
+
+
 def steps_per_run(links: dict) -> str:
     """How many steps each link run took. A ``links.json`` written before rank-dAD and PowerSGD
     ran more steps than the rest has no ``steps_compressed``: every run took ``steps``."""
@@ -696,7 +704,7 @@ def one_site_table(links: dict, rates: list[str]) -> list[str]:
     for rate in rates:
         header += [f"{rate}: s / step", "bound", "× bound"]
     rows = []
-    for label, runs in one_site.items():
+    for label, runs in in_matrix_order(one_site):
         row = [label, f"{runs['unshaped']['seconds']:.3f}" if "unshaped" in runs else "–"]
         for rate in rates:
             run = runs.get(rate)
@@ -807,7 +815,7 @@ def time_to_target_section(links: dict | None, results: dict, images: Path, docs
         lines += [f"**{SPLITS[partition]}**, target {percent(group['target'])}%:", ""]
         header = ["strategy", "steps to target", "each seed"] + [f"{name}: s (bound)" for name in links_names]
         rows = []
-        for label, runs in links["strategies"].items():
+        for label, runs in in_matrix_order(links["strategies"]):
             own = own_run(strategies, label)
             steps = own["steps_to_target"] if own else None
             row = [label, str(steps) if steps else ("not reached" if own else "not in the matrix"), seed_spread(own)]

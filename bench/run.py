@@ -31,7 +31,7 @@ from pathlib import Path
 
 from . import carry, links, matrix, peers, presets
 from .analysis import analyse, write_results
-from .execute import run_cells
+from .execute import cell_paths, run_cells
 from .report import write_report
 
 SMOKE_OUT = Path("bench/results/smoke")
@@ -96,9 +96,23 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     cells = matrix.cells(settings, ranks, exact)
+    others = carry.runs_of_others(out, cells)
+    measuring = "matrix" in parts and not args.report_only
+    # the folder's runs are analysed unless only carried parts other than the matrix are reported
+    if others and not measuring and ("matrix" in parts or args.carry is None):
+        print(f"error: {out} holds {len(others)} finished run(s) that the code and settings now did not measure (e.g. "
+              f"{others[0].name}): measure them again (--parts matrix, without --report-only), or name another --out",
+              file=sys.stderr)
+        return 2
+    if measuring:
+        for cell in others:
+            for path in cell_paths(out, cell):
+                path.unlink(missing_ok=True)
+        if others:
+            print(f"{len(others)} finished run(s) in {out} were measured by other code or settings: measuring them again")
+        carry.record_runs(out, cells)
+        run_cells(cells, out, args.jobs)
     if not args.report_only:
-        if "matrix" in parts:
-            run_cells(cells, out, args.jobs)
         if "links" in parts:
             (out / LINKS).write_text(json.dumps(links.measure(), indent=1))
         if "peers" in parts:

@@ -122,6 +122,38 @@ def test_a_setting_whose_last_step_is_off_the_grid_of_those_that_catch_up_is_ref
         replace(setting, catch_up=0)
 
 
+def test_a_finished_run_of_other_code_or_settings_is_measured_again_never_analysed(suite, tmp_path):
+    """The results folder records what measured each run: a run recorded otherwise (another
+    code version or setting) is refused by ``--report-only`` and measured again by a run; a
+    folder without the record (written before it) is refused whole."""
+    import shutil
+
+    from bench.carry import RECORD
+
+    source, results = suite
+    out = tmp_path / "out"
+    shutil.copytree(source, out)
+    record = json.loads((out / RECORD).read_text())
+    assert len(record) == results["cells"]
+    changed = sorted(record)[0]
+    (out / RECORD).write_text(json.dumps({**record, changed: "0" * 64}))
+    refused = bench_run("--workloads", "digits-mlp", "--out", str(out), "--report-only")
+    assert refused.returncode == 2 and f"holds 1 finished run(s) that the code and settings now did not measure (e.g. {changed})" in refused.stderr, refused.stderr
+    again = bench_run("--workloads", "digits-mlp", "--out", str(out), "--jobs", "1")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "1 finished run(s)" in again.stdout and "running 1 with 1 job(s)" in again.stdout, again.stdout
+    assert json.loads((out / RECORD).read_text()) == record
+    def curves(groups: dict) -> dict:
+        return {(name, label): (s["curve_metric"], s["curve_bytes"]) for name, group in groups.items()
+                for label, s in group["strategies"].items()}
+
+    remeasured = json.loads((out / "results.json").read_text())["groups"]
+    assert curves(remeasured) == curves(results["groups"]), "the same code and settings measure the same"
+    (out / RECORD).unlink()
+    legacy = bench_run("--workloads", "digits-mlp", "--out", str(out), "--report-only")
+    assert legacy.returncode == 2 and f"holds {results['cells']} finished run(s)" in legacy.stderr, legacy.stderr
+
+
 def test_bytes_match_the_cost_formulas(suite):
     _, results = suite
     _, stats = strategies(results)
@@ -246,6 +278,22 @@ def test_the_links_section_reads_results_written_before_and_after_the_one_site_r
     assert "| rankdad r=1 | 0.100 | 0.100 | 0.100 | 1.000 |" in text  # the one-site table's row
     # what one site leaves out is said: rank-dAD's server has nothing to re-reduce
     assert "rank-dAD's re-reduction altogether" in text and "bench.bench_compute" in text
+
+
+def test_the_links_tables_list_strategies_in_the_matrix_order():
+    """A carried ``links.json`` comes back with its labels sorted: the tables still list exact
+    updates, rank-dAD, PowerSGD, local steps, as the matrix's tables do; an unknown label last."""
+    from bench.report import links_section
+
+    run = {"seconds": 0.1, "wire_bytes_site": 1000, "phases": 1, "bound": 0.1, "over_bound": 1.0}
+    matrix_order = ["dsgd", "auto", "rankdad r=1", "rankdad r=1 8-bit", "powersgd r=1", "fedavg H=8", "retired"]
+    links = {
+        "workload": "digits-mlp", "options": {"hidden": 1024}, "sites": 4, "steps": 6,
+        "rates": {"unshaped": {"rtt": 1e-5}, "10 Mbit/s": {"rtt": 2e-5}},
+        "strategies": {label: {"unshaped": run, "10 Mbit/s": run} for label in sorted(matrix_order)},
+    }
+    rows = [line.split(" | ")[0].removeprefix("| ") for line in links_section(links) if line.startswith("| ")]
+    assert [row for row in rows if row in matrix_order] == matrix_order, rows
 
 
 def test_compute_benchmark_takes_one_site_and_stays_bit_identical():
