@@ -8,8 +8,9 @@ for that setting's groups to be measured again, not every group.
 Presets:
 
 - ``FULL``: the issue's matrix. Every workload runs 2, 4 and 8 sites, IID and
-  Dirichlet(0.5) splits, two seeds per group, the character workloads on 16-character
-  windows. ``digits-mlp-wide`` sizes the MLP for the ≥100x target (4 sites, both
+  Dirichlet(0.5) splits, two seeds per group (eight for the digits MLP), the character
+  workloads on 16-character windows; the approximate strategies may run twice (digits) or
+  three times (characters) dSGD's steps to reach its target. ``digits-mlp-wide`` sizes the MLP for the ≥100x target (4 sites, both
   splits, sixteen seeds evaluated every 5 steps: the links' seconds to target are its
   steps to target, and a coarser grid or fewer seeds move them by ±20 steps; its cells
   take seconds each);
@@ -29,6 +30,7 @@ from dadfl.strategies.quantize import FULL_PRECISION
 
 from .matrix import HEADLINE_SITES, SGD, WorkloadSetting
 
+
 def _grid(**overrides) -> dict[str, Any]:
     grid = {"sites": (2, 4, 8), "partitions": ("iid", "dirichlet"), "seeds": (0, 1)}
     grid.update(overrides)
@@ -42,6 +44,14 @@ TEXT = {"seq_len": 16}
 # dSGD on the character workloads is still climbing steeply at 100 steps (char-gru 44% → 49%
 # by 200): the approximate strategies may take 3× its steps to reach its final metric.
 CATCH_UP = 3
+# dSGD on the digits workloads reaches its target well before its last step (the MLP by step 90
+# of 150), while rank-dAD r=1 on the MLP ended 0.2 point short of it at 150 with one seed of two
+# there: the approximate strategies run twice the steps, so their bytes to target are measured
+# rather than missing.
+DIGITS_CATCH_UP = 2
+# The digits MLP's verdicts against PowerSGD (bytes to target, dominance) rested on two seeds,
+# and its cells take seconds: eight seeds, as the dominance preset runs.
+DIGITS_MLP_SEEDS = tuple(range(8))
 # Settings judged on the ≥100× target run four seeds (see FULL above); the full matrix's wide
 # MLP, whose steps to target also set the links' seconds to target, runs sixteen.
 TARGET_SEEDS = (0, 1, 2, 3)
@@ -56,8 +66,9 @@ INTEGER_BITS = 8
 CONCATENATED_RANKS = (1, 2)
 
 FULL: list[WorkloadSetting] = [
-    WorkloadSetting("digits-mlp", "digits-mlp", {"hidden": 256}, SGD, 150, 10, 32, feed_forward=True, **_grid()),
-    WorkloadSetting("digits-cnn", "digits-cnn", {}, SGD, 120, 10, 32, **_grid()),
+    WorkloadSetting("digits-mlp", "digits-mlp", {"hidden": 256}, SGD, 150, 10, 32, feed_forward=True,
+                    catch_up=DIGITS_CATCH_UP, **_grid(seeds=DIGITS_MLP_SEEDS)),
+    WorkloadSetting("digits-cnn", "digits-cnn", {}, SGD, 120, 10, 32, catch_up=DIGITS_CATCH_UP, **_grid()),
     WorkloadSetting("char-gru", "bench.workloads:char_gru", TEXT, ADAM_GRU, 100, 10, 32, catch_up=CATCH_UP, **_grid()),
     WorkloadSetting(
         "char-transformer", "bench.workloads:char_transformer", TEXT, ADAM_TRANSFORMER, 100, 10, 32, catch_up=CATCH_UP,
