@@ -114,28 +114,28 @@ def main(argv: list[str] | None = None) -> int:
         run_cells(cells, out, args.jobs)
     if not args.report_only:
         if "links" in parts:
-            (out / LINKS).write_text(json.dumps(links.measure(), indent=1))
+            (out / LINKS).write_text(json.dumps(stamped(links.measure(), "links"), indent=1))
         if "peers" in parts:
-            (out / PEERS).write_text(json.dumps(peers.compare(), indent=1))
+            (out / PEERS).write_text(json.dumps(stamped(peers.compare(), "peers"), indent=1))
     # A union of carried parts took several invocations: no one wall time is its.
     minutes = None if args.report_only or args.carry else (time.perf_counter() - started) / 60
-    if args.carry is None:
-        results = analyse(out, settings, cells, size_sweep=name == "full")
-        link_results, peer_results = load(out / LINKS), load(out / PEERS)
-        measured = {s.key for s in settings}
-    else:
-        # Costs for every setting of the preset; groups, links and peers from this invocation's parts only.
-        analysed = analyse(out, preset, cells if "matrix" in parts else [], size_sweep=name == "full")
-        try:
+    try:
+        if args.carry is None:
+            results = analyse(out, settings, cells, size_sweep=name == "full")
+            link_results, peer_results = load(out / LINKS, "links"), load(out / PEERS, "peers")
+            measured = {s.key for s in settings}
+        else:
+            # Costs for every setting of the preset; groups, links and peers from this invocation's parts only.
+            analysed = analyse(out, preset, cells if "matrix" in parts else [], size_sweep=name == "full")
             results, link_results, peer_results = carry.merge(
-                args.carry, name, analysed, *(load(out / file) if part in parts else None
+                args.carry, name, analysed, *(load(out / file, part) if part in parts else None
                                               for part, file in (("links", LINKS), ("peers", PEERS))),
                 carry.configurations(matrix.cells(preset, ranks, exact)),
             )
-        except carry.CarryError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        measured = {group["setting"] for group in results["groups"].values()}
+            measured = {group["setting"] for group in results["groups"].values()}
+    except carry.CarryError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     json_path, csv_path = write_results(results, out)
     left_out = [s.key for s in preset if s.key not in measured]
     # Only a report on every setting replaces the published one; a partial report goes beside the results.
@@ -162,8 +162,19 @@ def reproduce_command(preset: str, workloads: str | None, seeds: str | None, hel
     return command
 
 
-def load(path: Path) -> dict | None:
-    return json.loads(path.read_text()) if path.exists() else None
+def stamped(measured: dict, part: str) -> dict:
+    """A part's results with the hash of the code that measured them (``carry.code_versions``)."""
+    return {**measured, "code": carry.code_versions()[part]}
+
+
+def load(path: Path, part: str) -> dict | None:
+    """A part's results in the results folder, or None; refused unless the code now measured them."""
+    if not path.exists():
+        return None
+    measured = json.loads(path.read_text())
+    if measured.get("code") != carry.code_versions()[part]:
+        raise carry.CarryError(f"{path} was measured by other code: measure it again (--parts {part}) or remove it")
+    return measured
 
 
 if __name__ == "__main__":

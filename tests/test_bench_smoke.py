@@ -154,6 +154,36 @@ def test_a_finished_run_of_other_code_or_settings_is_measured_again_never_analys
     assert legacy.returncode == 2 and f"holds {results['cells']} finished run(s)" in legacy.stderr, legacy.stderr
 
 
+def test_links_and_peers_results_of_other_code_are_refused_not_reported(suite, tmp_path):
+    """``links.json`` and ``peers.json`` in a results folder carry the hash of the code that
+    measured them: the report takes them while it is the code now, and refuses them after."""
+    import shutil
+
+    from bench.carry import code_versions
+
+    source, _ = suite
+    out = tmp_path / "out"
+    shutil.copytree(source, out)
+    run = {"seconds": 0.1, "wire_bytes_site": 1000, "phases": 1, "bound": 0.1, "over_bound": 1.0}
+    measured = {
+        "workload": "digits-mlp", "options": {"hidden": 1024}, "sites": 4, "steps": 6,
+        "rates": {"unshaped": {"rtt": 1e-5}, "10 Mbit/s": {"rtt": 2e-5}},
+        "strategies": {label: {"unshaped": run, "10 Mbit/s": run} for label in ("dsgd", "rankdad r=1")},
+    }
+    (out / "links.json").write_text(json.dumps({**measured, "code": code_versions()["links"]}))
+    taken = bench_run("--workloads", "digits-mlp", "--out", str(out), "--report-only")
+    assert taken.returncode == 0, taken.stderr
+    assert "## Real links" in (out / "benchmarks.md").read_text() and "| rankdad r=1 | 1 |" in (out / "benchmarks.md").read_text()
+    for code in ("0" * 64, None):  # another version's, or from before the stamp
+        (out / "links.json").write_text(json.dumps({**measured, "code": code}))
+        refused = bench_run("--workloads", "digits-mlp", "--out", str(out), "--report-only")
+        assert refused.returncode == 2 and "links.json was measured by other code: measure it again (--parts links)" in refused.stderr, refused.stderr
+    (out / "links.json").unlink()
+    (out / "peers.json").write_text(json.dumps({"steps": 100, "code": "0" * 64}))
+    refused = bench_run("--workloads", "digits-mlp", "--out", str(out), "--report-only")
+    assert refused.returncode == 2 and "(--parts peers)" in refused.stderr, refused.stderr
+
+
 def test_bytes_match_the_cost_formulas(suite):
     _, results = suite
     _, stats = strategies(results)
