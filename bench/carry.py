@@ -85,28 +85,27 @@ def configurations(cells: list[Cell]) -> dict[str, str]:
 RECORD = "measured.json"  # in a results folder: per run, what measured it
 
 
-def run_digests(cells: list[Cell]) -> dict[str, str]:
-    """Per cell, sha256 over the matrix's code and the simulation the cell runs."""
-    code = code_versions()["matrix"]
+def run_digests(cells: list[Cell], code: str) -> dict[str, str]:
+    """Per cell, sha256 over the matrix's code (``code_versions()["matrix"]``) and the simulation
+    the cell runs."""
     return {cell.name: hashlib.sha256((code + simulation_config(cell).model_dump_json()).encode()).hexdigest()
             for cell in cells}
 
 
-def runs_of_others(out: Path, cells: list[Cell]) -> list[Cell]:
-    """Cells with a finished run in ``out`` that the code and settings now did not measure:
-    recorded with another hash, or not recorded (a folder written before the record)."""
+def runs_of_others(out: Path, cells: list[Cell], digests: dict[str, str]) -> list[Cell]:
+    """Cells with a finished run in ``out`` that the code and settings now (``digests``) did not
+    measure: recorded with another hash, or not recorded (a folder written before the record)."""
     record = out / RECORD
     recorded = json.loads(record.read_text()) if record.exists() else {}
-    digests = run_digests(cells)
     return [cell for cell in cells if cell_paths(out, cell)[1].exists() and recorded.get(cell.name) != digests[cell.name]]
 
 
-def record_runs(out: Path, cells: list[Cell]) -> None:
-    """Record what measures ``cells`` in ``out`` now (before they run: a run's summary is written
+def record_runs(out: Path, digests: dict[str, str]) -> None:
+    """Record what measures these cells in ``out`` now (before they run: a run's summary is written
     only once it finished, by this code)."""
     record = out / RECORD
     recorded = json.loads(record.read_text()) if record.exists() else {}
-    record.write_text(json.dumps({**recorded, **run_digests(cells)}, indent=0, sort_keys=True))
+    record.write_text(json.dumps({**recorded, **digests}, indent=0, sort_keys=True))
 
 
 CARRIED_KEYS = {"preset", "versions", "groups", "failed", "links", "peers"}

@@ -96,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     cells = matrix.cells(settings, ranks, exact)
-    others = carry.runs_of_others(out, cells)
+    versions = carry.code_versions()  # once: every check below compares against the code now
+    digests = carry.run_digests(cells, versions["matrix"])
+    others = carry.runs_of_others(out, cells, digests)
     measuring = "matrix" in parts and not args.report_only
     # the folder's runs are analysed unless only carried parts other than the matrix are reported
     if others and not measuring and ("matrix" in parts or args.carry is None):
@@ -110,25 +112,25 @@ def main(argv: list[str] | None = None) -> int:
                 path.unlink(missing_ok=True)
         if others:
             print(f"{len(others)} finished run(s) in {out} were measured by other code or settings: measuring them again")
-        carry.record_runs(out, cells)
+        carry.record_runs(out, digests)
         run_cells(cells, out, args.jobs)
     if not args.report_only:
         if "links" in parts:
-            (out / LINKS).write_text(json.dumps(stamped(links.measure(), "links"), indent=1))
+            (out / LINKS).write_text(json.dumps(stamped(links.measure(), versions["links"]), indent=1))
         if "peers" in parts:
-            (out / PEERS).write_text(json.dumps(stamped(peers.compare(), "peers"), indent=1))
+            (out / PEERS).write_text(json.dumps(stamped(peers.compare(), versions["peers"]), indent=1))
     # A union of carried parts took several invocations: no one wall time is its.
     minutes = None if args.report_only or args.carry else (time.perf_counter() - started) / 60
     try:
         if args.carry is None:
             results = analyse(out, settings, cells, size_sweep=name == "full")
-            link_results, peer_results = load(out / LINKS, "links"), load(out / PEERS, "peers")
+            link_results, peer_results = load(out / LINKS, "links", versions), load(out / PEERS, "peers", versions)
             measured = {s.key for s in settings}
         else:
             # Costs for every setting of the preset; groups, links and peers from this invocation's parts only.
             analysed = analyse(out, preset, cells if "matrix" in parts else [], size_sweep=name == "full")
             results, link_results, peer_results = carry.merge(
-                args.carry, name, analysed, *(load(out / file, part) if part in parts else None
+                args.carry, name, analysed, *(load(out / file, part, versions) if part in parts else None
                                               for part, file in (("links", LINKS), ("peers", PEERS))),
                 carry.configurations(matrix.cells(preset, ranks, exact)),
             )
@@ -162,17 +164,18 @@ def reproduce_command(preset: str, workloads: str | None, seeds: str | None, hel
     return command
 
 
-def stamped(measured: dict, part: str) -> dict:
-    """A part's results with the hash of the code that measured them (``carry.code_versions``)."""
-    return {**measured, "code": carry.code_versions()[part]}
+def stamped(measured: dict, code: str) -> dict:
+    """A part's results with the hash of the code that measured them (its ``carry.code_versions``)."""
+    return {**measured, "code": code}
 
 
-def load(path: Path, part: str) -> dict | None:
-    """A part's results in the results folder, or None; refused unless the code now measured them."""
+def load(path: Path, part: str, versions: dict[str, str]) -> dict | None:
+    """A part's results in the results folder, or None; refused unless the code now (``versions``)
+    measured them."""
     if not path.exists():
         return None
     measured = json.loads(path.read_text())
-    if measured.get("code") != carry.code_versions()[part]:
+    if measured.get("code") != versions[part]:
         raise carry.CarryError(f"{path} was measured by other code: measure it again (--parts {part}) or remove it")
     return measured
 
