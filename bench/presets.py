@@ -15,7 +15,9 @@ Presets:
   steps to target, and a coarser grid or fewer seeds move them by ±20 steps; its cells
   take seconds each);
   ``char-transformer-3m`` is the ≥3M-parameter transformer (4 sites, IID, four seeds: two
-  seeds of rank-dAD r=2 reached the target 50 steps apart).
+  seeds of rank-dAD r=2 reached the target 50 steps apart; ranks 2 and 4, factors as floats
+  and as 8-bit codes, as the wide MLP runs them: rank 1 reached the target on no seed and
+  rank 8 needed more bytes than rank 4 for both methods, and each cell takes minutes).
 - ``RANKDAD_EF``, ``DOMINANCE``, ``INTEGER_FACTORS``: the focused presets below.
 - ``SMOKE``: every workload, two sites, a few steps, one seed, a subset of strategies:
   checks the whole pipeline in under two minutes on two cores.
@@ -56,7 +58,8 @@ DIGITS_MLP_SEEDS = tuple(range(8))
 # MLP, whose steps to target also set the links' seconds to target, runs sixteen.
 TARGET_SEEDS = (0, 1, 2, 3)
 WIDE_SEEDS = tuple(range(16))
-# 3.5M parameters: wide enough that the compressible matrices dominate (bound r=1 ≈ 140×).
+# 3.5M parameters: wide enough that the compressible matrices dominate (per-step bound, cost
+# formula in docs/benchmarks.md: 108× at r=2 and 57× at r=4 as floats, 319× and 192× as 8-bit codes).
 TRANSFORMER_3M = {"seq_len": 16, "d_model": 384, "layers": 2}
 # The wide MLP, the links' setting, also runs rank-dAD's and PowerSGD's factors as 8-bit codes,
 # and rank-dAD with the sites' factors concatenated on the downlink at these ranks (fewer steps
@@ -64,6 +67,9 @@ TRANSFORMER_3M = {"seq_len": 16, "d_model": 384, "layers": 2}
 # to target weigh every configuration a hospital could pick.
 INTEGER_BITS = 8
 CONCATENATED_RANKS = (1, 2)
+# The ranks the 3.5M transformer runs at (see FULL above).
+TARGET_RANKS = (2, 4)
+SIZED_3M = "3.5M parameters, sized so the compressible matrices dominate"
 
 FULL: list[WorkloadSetting] = [
     WorkloadSetting("digits-mlp", "digits-mlp", {"hidden": 256}, SGD, 150, 10, 32, feed_forward=True,
@@ -84,8 +90,9 @@ FULL: list[WorkloadSetting] = [
     ),
     WorkloadSetting(
         "char-transformer-3m", "bench.workloads:char_transformer", TRANSFORMER_3M, ADAM_TRANSFORMER, 100, 10, 32,
-        purpose="target", note="3.5M parameters, sized so the compressible matrices dominate", ratio_target=True,
-        ablation=False, catch_up=CATCH_UP, **_grid(sites=(4,), partitions=("iid",), seeds=TARGET_SEEDS),
+        purpose="target", note=f"{SIZED_3M}; factors as floats and as {INTEGER_BITS}-bit codes", ratio_target=True,
+        ablation=False, catch_up=CATCH_UP, ranks=TARGET_RANKS, factor_bits=(FULL_PRECISION, INTEGER_BITS),
+        **_grid(sites=(4,), partitions=("iid",), seeds=TARGET_SEEDS),
     ),
 ]
 
@@ -129,12 +136,11 @@ DOMINANCE: list[WorkloadSetting] = [
 # codes, rank-dAD's concatenated downlink) at ranks 1, 2 and 4, without the ablation and local
 # steps: the links' seconds to target (``--parts links``) then weigh every configuration a
 # hospital could pick, measured in one run.
-TARGET_RANKS = (2, 4)
 LINK_RANKS = (1, 2, 4)
 _CODED = {"ablation": False, "local_steps": False}
 INTEGER_FACTORS: list[WorkloadSetting] = [replace(setting, factor_bits=(INTEGER_BITS,)) for setting in DOMINANCE] + [
     replace(setting, partitions=("iid",), factor_bits=(INTEGER_BITS,), ranks=TARGET_RANKS,
-            note=f"{setting.note}; factors as {INTEGER_BITS}-bit codes", **_CODED)
+            note=f"{SIZED_3M}; factors as {INTEGER_BITS}-bit codes", **_CODED)
     if setting.key != "digits-mlp-wide" else
     replace(setting, ranks=LINK_RANKS, **_CODED)
     for setting in FULL if setting.ratio_target

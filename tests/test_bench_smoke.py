@@ -154,6 +154,16 @@ def test_a_finished_run_of_other_code_or_settings_is_measured_again_never_analys
     assert legacy.returncode == 2 and f"holds {results['cells']} finished run(s)" in legacy.stderr, legacy.stderr
 
 
+def links_results(labels) -> dict:
+    """A small ``links.json`` as ``bench.links`` writes it: two links, every label's runs alike."""
+    run = {"seconds": 0.1, "wire_bytes_site": 1000, "phases": 1, "bound": 0.1, "over_bound": 1.0}
+    return {
+        "workload": "digits-mlp", "options": {"hidden": 1024}, "sites": 4, "steps": 6,
+        "rates": {"unshaped": {"rtt": 1e-5}, "10 Mbit/s": {"rtt": 2e-5}},
+        "strategies": {label: {"unshaped": run, "10 Mbit/s": run} for label in labels},
+    }
+
+
 def test_links_and_peers_results_of_other_code_are_refused_not_reported(suite, tmp_path):
     """``links.json`` and ``peers.json`` in a results folder carry the hash of the code that
     measured them: the report takes them while it is the code now, and refuses them after."""
@@ -164,12 +174,7 @@ def test_links_and_peers_results_of_other_code_are_refused_not_reported(suite, t
     source, _ = suite
     out = tmp_path / "out"
     shutil.copytree(source, out)
-    run = {"seconds": 0.1, "wire_bytes_site": 1000, "phases": 1, "bound": 0.1, "over_bound": 1.0}
-    measured = {
-        "workload": "digits-mlp", "options": {"hidden": 1024}, "sites": 4, "steps": 6,
-        "rates": {"unshaped": {"rtt": 1e-5}, "10 Mbit/s": {"rtt": 2e-5}},
-        "strategies": {label: {"unshaped": run, "10 Mbit/s": run} for label in ("dsgd", "rankdad r=1")},
-    }
+    measured = links_results(("dsgd", "rankdad r=1"))
     (out / "links.json").write_text(json.dumps({**measured, "code": code_versions()["links"]}))
     taken = bench_run("--workloads", "digits-mlp", "--out", str(out), "--report-only")
     assert taken.returncode == 0, taken.stderr
@@ -294,12 +299,8 @@ def test_the_links_section_reads_results_written_before_and_after_the_one_site_r
     neither ``steps_compressed`` nor ``one_site``: it still renders, saying what was run."""
     from bench.report import links_section
 
-    run = {"seconds": 0.1, "wire_bytes_site": 1000, "phases": 1, "bound": 0.1, "over_bound": 1.0}
-    before = {
-        "workload": "digits-mlp", "options": {"hidden": 1024}, "sites": 4, "steps": 6,
-        "rates": {"unshaped": {"rtt": 1e-5}, "10 Mbit/s": {"rtt": 2e-5}},
-        "strategies": {label: {"unshaped": run, "10 Mbit/s": run} for label in ("dsgd", "rankdad r=1")},
-    }
+    before = links_results(("dsgd", "rankdad r=1"))
+    run = before["strategies"]["dsgd"]["unshaped"]
     text = "\n".join(links_section(before))
     assert "6 steps per run;" in text and "one site" not in text
     after = {**before, "steps_compressed": 30, "one_site": {"rankdad r=1": {"unshaped": run, "10 Mbit/s": run}}}
@@ -315,13 +316,8 @@ def test_the_links_tables_list_strategies_in_the_matrix_order():
     updates, rank-dAD, PowerSGD, local steps, as the matrix's tables do; an unknown label last."""
     from bench.report import links_section
 
-    run = {"seconds": 0.1, "wire_bytes_site": 1000, "phases": 1, "bound": 0.1, "over_bound": 1.0}
     matrix_order = ["dsgd", "auto", "rankdad r=1", "rankdad r=1 8-bit", "powersgd r=1", "fedavg H=8", "retired"]
-    links = {
-        "workload": "digits-mlp", "options": {"hidden": 1024}, "sites": 4, "steps": 6,
-        "rates": {"unshaped": {"rtt": 1e-5}, "10 Mbit/s": {"rtt": 2e-5}},
-        "strategies": {label: {"unshaped": run, "10 Mbit/s": run} for label in sorted(matrix_order)},
-    }
+    links = links_results(sorted(matrix_order))
     rows = [line.split(" | ")[0].removeprefix("| ") for line in links_section(links) if line.startswith("| ")]
     assert [row for row in rows if row in matrix_order] == matrix_order, rows
 
