@@ -18,6 +18,7 @@ def test_fuzz_benchmark_reports_its_figures(tmp_path):
     figures = json.loads(out.read_text())
     assert 1 <= figures["cases"] <= 3 and sum(figures["outcomes"].values()) == figures["cases"]
     assert figures["crashes"] == 0 and figures["tracebacks_in"] == []
-    assert figures["peak_coordinator_rss_mib"] > 0 and figures["steps_done"][0] >= 1
+    # the figures say why when the first federation committed no step (a stopped or stalled run)
+    assert figures["peak_coordinator_rss_mib"] > 0 and figures["steps_done"][0] >= 1, figures
     for key in ("accepted_mutated", "largest_accepted_norm_ratio", "accuracy_fuzzed", "max_abs_weight_diff_vs_clean", "by_kind"):
         assert key in figures
