@@ -95,7 +95,7 @@ def plot_metric_vs_bytes(results: dict, setting: str, path: Path) -> bool:
     handles, labels = axes[0][0].get_legend_handles_labels()
     figure.legend(handles, labels, loc="lower center", ncol=6, fontsize=7)
     figure.tight_layout(rect=(0, 0.13, 1, 1))
-    figure.savefig(path, dpi=100)
+    figure.savefig(path, dpi=100, bbox_inches="tight")  # a one-group figure is narrower than its legend
     plt.close(figure)
     return True
 
