@@ -58,8 +58,8 @@ DIGITS_MLP_SEEDS = tuple(range(8))
 # MLP, whose steps to target also set the links' seconds to target, runs sixteen.
 TARGET_SEEDS = (0, 1, 2, 3)
 WIDE_SEEDS = tuple(range(16))
-# 3.5M parameters: wide enough that the compressible matrices dominate (per-step bound, cost
-# formula in docs/benchmarks.md: 108× at r=2 and 57× at r=4 as floats, 319× and 192× as 8-bit codes).
+# 3.5M parameters: wide enough that the compressible matrices dominate (its per-step bounds at
+# each rank and width: the cost-formula table of docs/benchmarks.md).
 TRANSFORMER_3M = {"seq_len": 16, "d_model": 384, "layers": 2}
 # The wide MLP, the links' setting, also runs rank-dAD's and PowerSGD's factors as 8-bit codes,
 # and rank-dAD with the sites' factors concatenated on the downlink at these ranks (fewer steps
@@ -67,7 +67,7 @@ TRANSFORMER_3M = {"seq_len": 16, "d_model": 384, "layers": 2}
 # to target weigh every configuration a hospital could pick.
 INTEGER_BITS = 8
 CONCATENATED_RANKS = (1, 2)
-# The ranks the 3.5M transformer runs at (see FULL above).
+# The ranks the 3.5M transformer runs at (why: FULL in the module's docstring).
 TARGET_RANKS = (2, 4)
 SIZED_3M = "3.5M parameters, sized so the compressible matrices dominate"
 
