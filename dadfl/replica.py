@@ -50,9 +50,6 @@ def resolve_device(device: str) -> torch.device:
     return resolved
 
 
-Precision = Literal["fp32", "bf16", "fp16"]  # strategies/precision.py
-
-
 def check_dp_precision(precision: str) -> str:
     if precision != "fp32":
         raise ValueError(f"precision={precision!r} with [dp]: per-sample clipping runs in fp32; use precision 'fp32' with [dp]")
@@ -79,6 +76,8 @@ class Replica:
         check_precision(self.precision)
         if self.max_grad_norm is not None:
             check_dp_precision(self.precision)
+        if self.precision == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise ValueError(f"precision 'bf16' on {self.device}, which has no bf16 support; use 'fp16' or 'fp32'")
         model = self.workload.build_model()
         # Before any weights are loaded, and where the model was built: the same on every device.
         self.model_probe = model_probe(model, self.workload.example()) if self.probe else None

@@ -21,10 +21,10 @@ from dadfl.strategies import exchange, make_strategy
 from dadfl.workloads import load_workload, partition, site_batches
 from dadfl.workloads.batches import PoissonBatches, SplitDataset
 
-from .config import StrictModel
+from .config import Precision, StrictModel
 from .metrics import MetricsWriter, is_eval_step, run_summary
 from .privacy import CoordinatorNoise, DPConfig, PrivacyBudget, check_dp_strategy, expected_batch, log_plan, private_step, site_sample_rate
-from .replica import OptimizerConfig, Precision, Replica, check_dp_precision, resolve_device
+from .replica import OptimizerConfig, Replica, check_dp_precision, resolve_device
 
 
 log = logging.getLogger("dadfl.simulation")
