@@ -21,7 +21,7 @@ from torch import nn
 from .base import BUFFER_ROLE, LocalResult, Payload, ServerHalf, SiteHalf, Strategy, split_key
 from .capture import local_step, per_sample_losses
 from .layout import Layout
-from .precision import autocast
+from .precision import autocast, scaled_backward
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -104,8 +104,9 @@ def step_update(
 def reference_update(
     model: nn.Module, loss_fn: LossFn, site_batches: Sequence[Batch], precision: str = "fp32"
 ) -> dict[str, torch.Tensor]:
-    """Σ_s (n_s/N) ∇(mean loss of site s), by plain autograd, the forward at ``precision``
-    (without loss scaling): the dSGD reference."""
+    """Σ_s (n_s/N) ∇(mean loss of site s), by plain autograd, the forward at ``precision``: the
+    dSGD reference. Under fp16 each site's summed loss is scaled as a site's step scales it
+    (``precision.scaled_backward``): unscaled, fp16's small mean-loss gradients underflow."""
     total = sum(int(y.shape[0]) for _, y in site_batches)
     reference: dict[str, torch.Tensor] = {}
     for inputs, targets in site_batches:
@@ -113,10 +114,14 @@ def reference_update(
         args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
         with autocast(precision, args[0].device):
             losses = per_sample_losses(loss_fn(model(*args), targets))
-        (losses.mean() * (targets.shape[0] / total)).backward()
+        if precision == "fp16":
+            scale = scaled_backward(losses.sum(), model.parameters(), lambda: ()) * total
+        else:
+            (losses.mean() * (targets.shape[0] / total)).backward()
+            scale = 1.0
         for name, param in model.named_parameters():
             if param.grad is not None:
-                reference[name] = reference.get(name, 0) + param.grad.detach().clone()
+                reference[name] = reference.get(name, 0) + param.grad.detach() / scale
     model.zero_grad(set_to_none=True)
     return reference
 

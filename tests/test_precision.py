@@ -81,7 +81,7 @@ def test_factors_travel_in_half_the_bytes_and_the_checks_take_them():
 
 def test_fp16_loss_scale_backs_off_until_the_deltas_fit():
     """A loss 100× larger makes the first scale overflow fp16's deltas; the step backs off and
-    still matches autograd's fp16 update (computed unscaled on the mean loss)."""
+    still matches autograd's fp16 update (scaled alike, one backward per site)."""
     model = build("mlp")
     batches = site_batches("mlp")
     loud = lambda outputs, targets: 100 * per_sample_cross_entropy(outputs, targets)  # noqa: E731
