@@ -11,7 +11,8 @@ gradient rebuilt from its calls equals autograd's:
 (rtol ``precision.tolerance`` of the dtype the calls compute in: 1e-5 in fp32/fp64, a few
 eps under autocast; the second term is the size the rounding of the sums scales with, so a
 gradient that cancels to ~0 — an attention key bias — is not refused for its noise). Under
-autocast (``precision``) the probe's forward runs in it, as every step's will. Its bias is captured when every linear/conv call adds it and it verifies too.
+autocast (``precision``) the probe's forward runs in it, as every step's will. Its bias is
+captured when every linear/conv call adds it and it verifies too.
 Anything else travels dense, and the log says why, one line per parameter: a weight
 also used outside those calls (``F.linear(z, W.t())``), a call the model's forward
 alters in a way capture cannot see, mixed dtypes outside autocast.
@@ -54,9 +55,7 @@ def probe_layers(
             if not ends:
                 return [], {}
             generator = torch.Generator().manual_seed(PROBE_SEED)
-            # drawn in at least float32, so every precision draws the same numbers
-            cotangents = [torch.randn(t.shape, generator=generator, dtype=torch.promote_types(t.dtype, torch.float32))
-                          .to(t.device, t.dtype) for t in ends]
+            cotangents = [torch.randn(t.shape, generator=generator, dtype=t.dtype).to(t.device) for t in ends]
             # Σ ⟨output, cotangent⟩ backpropagates exactly the cotangents.
             probe_loss = sum((t * c).sum() for t, c in zip(ends, cotangents))
             grads = torch.autograd.grad(probe_loss, [p for _, p in trainable], allow_unused=True)
