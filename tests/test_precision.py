@@ -6,6 +6,7 @@ import torch
 
 from dadfl.metrics import MetricsWriter
 from dadfl.replica import OptimizerConfig, Replica
+from dadfl.server.config import ServerConfig
 from dadfl.simulation import SimulationConfig, StrategySpec, simulate
 from dadfl.strategies import Layout, local_step, make_strategy, reference_update, step_update
 from dadfl.strategies.checks import ModelFacts
@@ -122,6 +123,8 @@ def test_clear_refusals():
         Replica(loaded, make_strategy("fedavg"), OptimizerConfig(), precision="bf16")
     with pytest.raises(ValueError, match="precision"):
         SimulationConfig(precision="fp8")
+    with pytest.raises(ValueError, match="use precision 'fp32' with \\[dp\\]"):
+        ServerConfig.model_validate({"training": {"precision": "bf16"}, "dp": {"noise_multiplier": 1.0, "max_sample_rate": 0.1}})
 
 
 def test_replicas_agree_under_autocast(tmp_path):
