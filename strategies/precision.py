@@ -20,8 +20,8 @@ zero. The summed loss is multiplied by a power of two S before the backward, so 
 gradient is S times larger; after it, gradients and captured Δ are divided by S, which is
 exact for a power of two (short of fp16's subnormals, smaller than its tolerance allows for).
 A backward whose gradients or deltas overflow (Inf/NaN) is redone at S/2. Every step starts
-from ``FP16_LOSS_SCALE``, so the scaler carries no state between steps (resume stays
-bit-identical); each retry costs one more backward (the graph is kept for it), so lower it
+from ``FP16_LOSS_SCALE``, so the scaler carries no state between steps (nothing to
+checkpoint); each retry costs one more backward (the graph is kept for it), so lower it
 if most steps overflow at it, raise it if deep layers' deltas vanish. bf16 has float32's
 exponent range and needs no scaling.
 """
