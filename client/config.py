@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from dadfl.config import StrictModel, check_host_port
+from dadfl.config import Precision, StrictModel, check_host_port
 from dadfl.workloads import BUILTIN
 
 WORKLOAD_SPEC = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
@@ -109,6 +109,11 @@ class RunLimits(StrictModel):
     max_steps: int = Field(10_000_000, ge=1)
     max_parameters: int = Field(100_000_000, ge=1, description="parameters of the model the site builds")
     max_payload_bytes: int = Field(1 << 30, ge=1024, description="largest payload the site accepts from the server")
+    precisions: list[Precision] = Field(
+        default_factory=lambda: ["fp32", "bf16", "fp16"],
+        description="training.precision values this site trains at (autocast on its device); drop the ones its "
+        "hardware lacks, e.g. bf16 on a GPU without it",
+    )
 
 
 class PrivacyPolicy(StrictModel):

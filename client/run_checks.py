@@ -65,6 +65,7 @@ class CheckedRun:
     strategy: Strategy
     optimizer: OptimizerConfig
     privacy: SitePrivacy | None = None  # [dp]: clip to its max_grad_norm, Poisson batches
+    precision: str = "fp32"  # the autocast of the local forward/backward (strategies/precision.py)
 
 
 def workload_allowed(spec: str, allowed: list[str]) -> bool:
@@ -118,7 +119,15 @@ def check_run_config(config: cpb.RunConfig, site: RunPolicy, max_chunk_bytes: in
         except ValueError as exc:
             raise RunRefused(f"the coordinator asks for differential privacy with a strategy that cannot give it: {exc}") from None
     check_privacy_floor(privacy, config.steps, site.privacy)
-    return CheckedRun(spec, workload_options, strategy, optimizer, privacy)
+    precision = config.precision or "fp32"
+    if precision not in limits.precisions:
+        raise RunRefused(
+            f"the coordinator asks for precision {printable(precision)}; this site trains at {', '.join(limits.precisions)} "
+            "(limits.precisions in the site config)"
+        )
+    if privacy is not None and precision != "fp32":
+        raise RunRefused(f"the coordinator asks for precision {precision} with [dp]; per-sample clipping runs in fp32")
+    return CheckedRun(spec, workload_options, strategy, optimizer, privacy, precision)
 
 
 def check_privacy_floor(privacy: SitePrivacy | None, steps: int, policy: PrivacyPolicy) -> None:

@@ -363,7 +363,7 @@ class Site:
         privacy = checked.privacy
         replica = Replica(
             workload, checked.strategy, checked.optimizer, resolve_device(self.config.device),
-            max_grad_norm=privacy.max_grad_norm if privacy else None, probe=True,
+            max_grad_norm=privacy.max_grad_norm if privacy else None, probe=True, precision=checked.precision,
         )
         check_same_model(replica, config.layout_fingerprint, config.layout_line_hashes, config.model_probe)
         batches, held_out = load_site_batches(self.config, workload, config.batch_size, replica.device, self.data_file)

@@ -66,6 +66,7 @@ def sim(
     seed: Optional[int] = typer.Option(None, help="seed for data split, batches and model"),
     device: Optional[str] = typer.Option(None, help="auto, cpu or cuda"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads (default 1)"),
+    precision: Optional[str] = typer.Option(None, help="fp32, bf16 or fp16: autocast of the sites' forward/backward"),
     workload_path: list[Path] = typer.Option([], "--workload-path", help="folder holding a workload package that is not installed (repeatable)"),
     out: Path = typer.Option(Path("runs"), help="folder for run directories"),
     mode: str = typer.Option("inprocess", help="inprocess (one process), processes (a coordinator and N site processes over loopback gRPC) or flower (a Flower ServerApp/ClientApp simulation)"),
@@ -78,6 +79,7 @@ def sim(
         overrides = {
             "workload": workload, "sites": sites, "steps": steps, "batch_size": batch_size,
             "partition": partition, "alpha": alpha, "seed": seed, "device": device, "threads": threads,
+            "precision": precision,
         }
         base.update({k: v for k, v in overrides.items() if v is not None})
         if workload_path:
@@ -145,7 +147,8 @@ def _applicable(settings: SimulationConfig, explicit: bool) -> list[StrategySpec
     chosen = []
     for spec in settings.strategies:
         try:
-            Replica(workload, make_strategy(spec.name, **spec.options), settings.optimizer, resolve_device(settings.device))
+            Replica(workload, make_strategy(spec.name, **spec.options), settings.optimizer, resolve_device(settings.device),
+                    precision=settings.precision)
         except ValueError as exc:
             if explicit:
                 fail(f"{spec.display}: {exc}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import tomllib
 from pathlib import Path
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -13,6 +13,8 @@ from .sanitize import ECHO_CHARS, printable
 
 Model = TypeVar("Model", bound=BaseModel)
 SECRET_FIELDS = {"token"}  # never echoed, even when invalid
+# ``training.precision``: the autocast of the sites' forward/backward (strategies/precision.py).
+Precision = Literal["fp32", "bf16", "fp16"]
 
 
 class ConfigError(ValueError):

@@ -469,7 +469,11 @@ class NodeReplica:
             device = resolve_device(str(node_config.get("device", run.config.device)))
         except ValueError as exc:
             raise RunRefused(f"{exc} (set device in this node's --node-config)") from None
-        replica = Replica(node_workload(run.checked, policy), run.checked.strategy, run.checked.optimizer, device, probe=probe)
+        if run.config.precision not in policy.limits.precisions:
+            raise RunRefused(f"the server asks for precision {run.config.precision}; this node trains at "
+                             f"{', '.join(policy.limits.precisions)} (limits.precisions in its policy)")
+        replica = Replica(node_workload(run.checked, policy), run.checked.strategy, run.checked.optimizer, device, probe=probe,
+                          precision=run.config.precision)
         return cls(settings_json, layout, RunSettings(run.config, run.spec), replica)
 
     def state_dtypes(self) -> Callable[[str], set[torch.dtype] | None]:
@@ -672,7 +676,8 @@ class FlowerCoordinator:
         torch.set_num_threads(self.config.threads)
         self.strategy = make_strategy(self.spec.name, **self.spec.options)
         device = resolve_device(self.config.device)
-        self.replica = Replica(workload_for(self.config), self.strategy, self.config.optimizer, device, probe=True)
+        self.replica = Replica(workload_for(self.config), self.strategy, self.config.optimizer, device, probe=True,
+                               precision=self.config.precision)
         # Sent only where nodes build their replica afresh (step 0, a full state): JSON of 0.6 KB
         # (digits MLP) to 6.6 KB (char transformer), too much for every step.
         self.model_identity = identity_text(self.replica.layout.lines(), self.replica.model_probe)

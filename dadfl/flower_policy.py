@@ -16,7 +16,7 @@ fields of a gRPC site's TOML, flattened with dots as Flower flattens a TOML tabl
 ``allowed_workloads`` (comma-separated: Flower's node-config values are scalars),
 ``workload_path`` (folders separated by ``os.pathsep``), ``limits.max_batch_size``,
 ``limits.max_steps``, ``limits.max_parameters``, ``limits.max_payload_bytes``,
-``privacy.require_dp`` and the other ``privacy.*`` fields. Unset keys keep the site
+``limits.precisions`` (comma-separated), ``privacy.require_dp`` and the other ``privacy.*`` fields. Unset keys keep the site
 defaults: the built-in workloads only and the default limits. Besides them a node config
 holds only the node's own settings (``NODE_SETTINGS``) and what Flower's simulation engine
 sets on every node (``FLOWER_KEYS``); any other key is refused with its name, since a
@@ -90,6 +90,8 @@ class NodePolicy(RunPolicy):
                 values[key] = [entry.strip() for entry in value.split(",") if entry.strip()]
             elif key == "workload_path" and isinstance(value, str):
                 values[key] = [entry for entry in value.split(os.pathsep) if entry]
+            elif key == "limits.precisions" and isinstance(value, str):
+                values.setdefault(table, {})[name] = [entry.strip() for entry in value.split(",") if entry.strip()]
             elif key in cls.model_fields and not dot:
                 values[key] = value  # a wrong type: the model says which
             elif dot and table in POLICY_TABLES:

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from dadfl.strategies import Layout, Payload, Strategy, apply_update, local_step, weights_fingerprint
 from dadfl.strategies.base import LocalResult, decode_message
+from dadfl.strategies.precision import check_precision
 from dadfl.strategies.privacy import ClipPlan, clipped_local_step
 from dadfl.workloads import Split, Workload
 
@@ -49,6 +50,12 @@ def resolve_device(device: str) -> torch.device:
     return resolved
 
 
+def check_dp_precision(precision: str) -> str:
+    if precision != "fp32":
+        raise ValueError(f"precision={precision!r} with [dp]: per-sample clipping runs in fp32; use precision 'fp32' with [dp]")
+    return precision
+
+
 @dataclass
 class Replica:
     workload: Workload
@@ -62,8 +69,15 @@ class Replica:
     # for the check that a site runs the coordinator's model: only the runtimes' coordinators and
     # freshly built sites need it (``model_probe`` is None otherwise).
     probe: bool = False
+    # "fp32", "bf16" or "fp16": the autocast of the local forward/backward (strategies/precision.py).
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
+        check_precision(self.precision)
+        if self.max_grad_norm is not None:
+            check_dp_precision(self.precision)
+        if self.precision == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise ValueError(f"precision 'bf16' on {self.device}, which has no bf16 support; use 'fp16' or 'fp32'")
         model = self.workload.build_model()
         # Before any weights are loaded, and where the model was built: the same on every device.
         self.model_probe = model_probe(model, self.workload.example()) if self.probe else None
@@ -72,8 +86,13 @@ class Replica:
         # FedAvg and DiLoCo apply the round's mean delta with their own outer optimizer.
         outer = self.strategy.outer_optimizer(self.model.parameters())
         self.optimizer = outer if outer is not None else self.optimizer_config.build(self.model.parameters())
-        self.layout = Layout.from_model(self.model, example)
+        self.layout = Layout.from_model(self.model, example, self.precision)
         self.half = self.strategy.site(self.layout, self.model)
+        if self.precision != "fp32" and hasattr(self.half, "train_round"):
+            raise ValueError(
+                f"precision={self.precision!r} with {self.strategy.name}: its local rounds train in the weights' dtype; "
+                "use precision 'fp32'"
+            )
         self.clip_plan = ClipPlan.verify(self.model, self.layout, example) if self.max_grad_norm is not None else None
 
     def work(self, batch_at: Callable[[int], tuple[torch.Tensor, torch.Tensor]], step: int) -> LocalResult:
@@ -102,6 +121,7 @@ class Replica:
             inputs.to(self.device),
             targets.to(self.device),
             capture=self.strategy.needs_factors,
+            precision=self.precision,
         )
 
     def apply(self, messages: Sequence[Payload]) -> str:

@@ -21,10 +21,10 @@ from dadfl.strategies import exchange, make_strategy
 from dadfl.workloads import load_workload, partition, site_batches
 from dadfl.workloads.batches import PoissonBatches, SplitDataset
 
-from .config import StrictModel
+from .config import Precision, StrictModel
 from .metrics import MetricsWriter, is_eval_step, run_summary
 from .privacy import CoordinatorNoise, DPConfig, PrivacyBudget, check_dp_strategy, expected_batch, log_plan, private_step, site_sample_rate
-from .replica import OptimizerConfig, Replica, resolve_device
+from .replica import OptimizerConfig, Replica, check_dp_precision, resolve_device
 
 
 log = logging.getLogger("dadfl.simulation")
@@ -81,6 +81,7 @@ class SimulationConfig(StrictModel):
     seed: int = Field(0, ge=0, lt=2**63, description="seeds the data split, the batches and the strategies")
     device: str = "auto"
     threads: int = Field(1, ge=1, description="torch CPU threads; sites run one after another, and small models run fastest on one")
+    precision: Precision = Field("fp32", description="autocast of every site's forward/backward: fp32 (none), bf16 or fp16 (loss-scaled)")
     optimizer: OptimizerConfig = OptimizerConfig(name="sgd", lr=0.1, momentum=0.9)
     strategies: list[StrategySpec] = Field(
         default_factory=lambda: [
@@ -108,6 +109,7 @@ class SimulationConfig(StrictModel):
         if dp is not None:
             for spec in info.data.get("strategies", []):
                 check_dp_strategy(spec.name)
+            check_dp_precision(info.data.get("precision", "fp32"))
         return dp
 
 
@@ -150,8 +152,8 @@ def _simulate(config: SimulationConfig, spec: StrategySpec, metrics: MetricsWrit
         log_plan(budget, config.steps)
     last_step = budget.max_steps(config.steps) if budget is not None else config.steps
     clip = dp.max_grad_norm if dp else None
-    coordinator = Replica(workload, strategy, config.optimizer, device, max_grad_norm=clip)
-    sites = [Replica(workload, strategy, config.optimizer, device, max_grad_norm=clip) for _ in indices]
+    coordinator = Replica(workload, strategy, config.optimizer, device, max_grad_norm=clip, precision=config.precision)
+    sites = [Replica(workload, strategy, config.optimizer, device, max_grad_norm=clip, precision=config.precision) for _ in indices]
     for site in sites:
         site.load_weights_from(coordinator)
     server = strategy.server(coordinator.layout, coordinator.model)

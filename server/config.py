@@ -11,10 +11,10 @@ from typing import Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from dadfl.config import StrictModel, check_host_port
+from dadfl.config import Precision, StrictModel, check_host_port
 from dadfl.privacy import DPConfig, check_dp_strategy
 from dadfl.options import strategy_options
-from dadfl.replica import OptimizerConfig
+from dadfl.replica import OptimizerConfig, check_dp_precision
 from dadfl.strategies import STRATEGIES
 
 
@@ -75,6 +75,10 @@ class TrainingConfig(StrictModel):
     tensorboard: bool = Field(False, description="also write TensorBoard event files into run_dir/tensorboard (pip install 'dadfl[tensorboard]')")
     progress_every_s: float = Field(5.0, ge=0, description="at most one progress log line per this many seconds (evaluation steps always log)")
     checkpoint_every: int = Field(10, ge=0, description="steps between checkpoints; 0 = only at the end")
+    precision: Precision = Field(
+        "fp32", description="autocast of every site's forward/backward: fp32 (none), bf16, or fp16 (loss-scaled); "
+        "factors travel in it (strategies/precision.py)"
+    )
 
 
 class FederationConfig(StrictModel):
@@ -133,6 +137,8 @@ class ServerConfig(StrictModel):
             return dp
         if "strategy" in info.data:
             check_dp_strategy(info.data["strategy"].name)
+        if "training" in info.data:
+            check_dp_precision(info.data["training"].precision)
         batch_size = info.data["training"].batch_size if "training" in info.data else MIN_PRIVATE_BATCH
         if batch_size < MIN_PRIVATE_BATCH:
             raise ValueError(

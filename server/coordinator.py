@@ -169,7 +169,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         self.eval_metrics = ("loss", workload.metric_name)
         self.strategy = make_strategy(config.strategy.name, **config.strategy.options)
         self.label = strategy_label(config.strategy.name, config.strategy.options, config.strategy.label)
-        self.replica = Replica(workload, self.strategy, config.optimizer, probe=True)
+        self.replica = Replica(workload, self.strategy, config.optimizer, probe=True, precision=config.training.precision)
         self.layout = self.replica.layout
         self.codec = codec_id(config.wire.codec)
         federation = config.federation
@@ -182,6 +182,8 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             "workload": [config.workload.spec, config.workload.options],
             "strategy": [config.strategy.name, config.strategy.options],
             "optimizer": config.optimizer.model_dump(),
+            # only when set: checkpoints written before precision existed stay resumable
+            **({"precision": config.training.precision} if config.training.precision != "fp32" else {}),
         }
         self.privacy = None  # [dp]: the noisy dense downlink replaces the strategy's message (privacy.py)
         if config.dp is not None:
@@ -248,6 +250,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             max_payload_bytes=c.wire.max_payload_bytes,
             eval_every=c.training.eval_every,
             dp=self.privacy.site_config() if self.privacy else "",
+            precision=c.training.precision,
         )
 
     async def Join(self, request_iterator, context):

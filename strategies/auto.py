@@ -8,7 +8,8 @@ convolution positions. ``auto`` decides per layer and per step, on each side:
     down = min(N·G·(k + m),    G·k·m + G·m)            factors only if every site sent them
 
 counted in bytes, so an embedding's lookups cost n_s·(4 + d·4) bytes in fp32 (int32 ids)
-against V·d·4 for its dense gradient (a tied head adds its rows to the factor side).
+against V·d·4 for its dense gradient (a tied head adds its rows to the factor side); under
+bf16/fp16 autocast a linear's factors cost 2 bytes a number against the fp32 gradient's 4.
 
 Both forms are exact, so the update equals dSGD's whatever is chosen. Uncovered
 parameters and buffers travel dense. Reveals what dAD reveals for layers sent as
@@ -33,8 +34,7 @@ class Auto(Strategy):
         check_raw_input(self.raw_input)
 
     def sends_factors(self, layer: CapturedLayer, factors: Factors) -> bool:
-        itemsize = next(t.element_size() for t in (factors.A, factors.rows) if t is not None)
-        return may_share(layer, self.raw_input, "activations") and factors.nbytes() < dense_nbytes(layer, itemsize)
+        return may_share(layer, self.raw_input, "activations") and factors.nbytes() < dense_nbytes(layer)
 
     def site(self, layout: Layout, model=None) -> FactorSite:
         return FactorSite(layout, self.sends_factors)

@@ -46,6 +46,7 @@ from torch.overrides import TorchFunctionMode
 
 from .base import Factors, LocalResult
 from .layout import CapturedLayer, Layout
+from .precision import autocast, autocast_dtype, scaled_backward
 
 log = logging.getLogger("dadfl.capture")
 
@@ -154,7 +155,8 @@ class CallRecorder(TorchFunctionMode):
     """Records the calls on the given parameters during a forward pass.
 
     ``refused`` names the parameters called in a form capture cannot reproduce exactly
-    (autocast's mixed dtypes, ``max_norm``/``scale_grad_by_freq``/``sparse`` lookups), with why.
+    (mixed dtypes outside autocast, ``max_norm``/``scale_grad_by_freq``/``sparse`` lookups), with why.
+    Under autocast a call's A and Δ are in the dtype it computes in (``precision.py``).
     ``uses`` names, per parameter, the other functions whose differentiable results read it
     (``torch.Tensor.t`` for a decoder's ``F.linear(z, W.t())``); views of a parameter are
     followed to where they are used.
@@ -367,8 +369,8 @@ class CallRecorder(TorchFunctionMode):
             if bound["max_norm"] is not None or bound["scale_grad_by_freq"] or bound["sparse"]:
                 self.refused[name] = "looked up with max_norm, scale_grad_by_freq or sparse=True"
                 return True
-        elif x.dtype != weight.dtype or out.dtype != weight.dtype:
-            self.refused[name] = f"a {kind} call computes in {out.dtype} while the weight is {weight.dtype} (autocast)"
+        elif (x.dtype != weight.dtype or out.dtype != weight.dtype) and out.dtype != autocast_dtype(out.device):
+            self.refused[name] = f"a {kind} call computes in {out.dtype} while the weight is {weight.dtype}, outside autocast"
             return True
         raw = self.raw_left_torch or id(x) in self.raw_ids or _storage(x) in self.raw_storages
         lead = int(x.shape[0]) if x.dim() >= (2 if kind in ("linear", LOOKUP) else {"conv1d": 3, "conv2d": 4}[kind]) else None
@@ -382,7 +384,8 @@ class CallRecorder(TorchFunctionMode):
             groups = int(bound["groups"]) if kind != "linear" else 1
             call = Call(
                 kind, name, rows, bias[0] if bias else None, bias[1] if bias else None, groups,
-                _input_rows(kind, x.detach(), weight, bound), raw, lead=lead,
+                # Under autocast the kernel multiplied x rounded to the output's dtype: so does A.
+                _input_rows(kind, x.detach().to(out.dtype), weight, bound), raw, lead=lead,
             )
         self.calls.setdefault(name, []).append(call)
         width = out.shape[-1] if kind in ("linear", LOOKUP) else None
@@ -500,7 +503,7 @@ class FactorCapture:
 
     def problems(self) -> dict[str, str]:
         """Why each layer whose calls this step differ from the verified layout (another call
-        form, autocast, a raw-input read it did not have) travels dense this step, by module."""
+        form, another compute dtype, a raw-input read it did not have) travels dense this step, by module."""
         problems = {}
         for layer in self.layout.layers:
             calls = self.recorder.calls.get(layer.weight, [])
@@ -510,6 +513,9 @@ class FactorCapture:
             new_uses = self.recorder.uses.get(layer.weight, set()) - set(layer.uses)
             if problem is None and new_uses:
                 problem = f"also used by {', '.join(sorted(new_uses))}, which the probe did not see"
+            computed = {c.inputs.dtype for c in calls if c.kind != LOOKUP} - {layer.compute_dtype}
+            if problem is None and computed:
+                problem = f"computes in {', '.join(map(str, computed))} where the layout verified {layer.compute_dtype}"
             if problem is None and any(c.raw for c in calls) and not layer.raw_input:
                 problem = "read the raw input this step"
             if problem is not None:
@@ -556,16 +562,19 @@ def forward_losses(
     targets: torch.Tensor,
     capture: bool = True,
     per_sample: bool = False,
+    precision: str = "fp32",
 ) -> tuple[FactorCapture, torch.Tensor]:
     """The forward pass of one site's batch with the layout's calls recorded: (recorder, one
     loss per sample). Gradients are zeroed; nothing is backpropagated yet. ``per_sample``:
-    see ``FactorCapture``."""
+    see ``FactorCapture``; ``precision``: the autocast the forward and the loss run under
+    (``precision.py``; the layout must have been probed at the same one)."""
     model.zero_grad(set_to_none=True)
     args = as_args(inputs)
     recorder = FactorCapture(model, layout if capture else Layout((), (), (), ()), args, per_sample)
-    with recorder:
-        outputs = model(*args)
-    return recorder, sample_losses(loss_fn, outputs, targets)
+    with autocast(precision, args[0].device):
+        with recorder:
+            outputs = model(*args)
+        return recorder, sample_losses(loss_fn, outputs, targets)
 
 
 def sample_losses(loss_fn: Callable, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -600,13 +609,25 @@ def local_step(
     inputs: torch.Tensor | Sequence[torch.Tensor],
     targets: torch.Tensor,
     capture: bool = True,
+    precision: str = "fp32",
 ) -> LocalResult:
-    """Forward and backward of the **summed** per-sample loss on one site's batch.
+    """Forward and backward of the **summed** per-sample loss on one site's batch, the forward
+    at ``precision`` (fp16 with loss scaling: ``precision.py``).
 
     ``grads`` holds the parameters that received a gradient; one that got none (unused by
     this batch) is absent, so it gets no update unless another site's batch reaches it.
     """
-    recorder, losses = forward_losses(model, layout, loss_fn, inputs, targets, capture)
+    recorder, losses = forward_losses(model, layout, loss_fn, inputs, targets, capture, precision=precision)
     total = losses.sum()
-    total.backward()
+    if precision == "fp16":
+        calls = [call for calls in recorder.recorder.calls.values() for call in calls]
+        scale = scaled_backward(total, model.parameters(), lambda: [call.delta for call in calls])
+        for param in model.parameters():
+            if param.grad is not None:
+                param.grad.div_(scale)
+        for call in calls:
+            if call.delta is not None:
+                call.delta = call.delta / scale  # a power of two: exact short of fp16's subnormals
+    else:
+        total.backward()
     return local_result(model, layout, recorder, int(targets.shape[0]), float(total.detach()))

@@ -134,12 +134,13 @@ class ModelFacts:
 
     def layer_factors(self, layer: CapturedLayer, roles: str = "AD") -> Form:
         """Activations (``A``) and/or deltas (``D``): (groups, ROWS, width), of its linear/conv
-        calls; for an embedding, its ids (LOOKUPS,) in the table and their delta rows."""
+        calls, in the dtype those compute in (autocast's under mixed precision); for an embedding,
+        its ids (LOOKUPS,) in the table and their delta rows, in the weight's dtype."""
         dtype = self.params[layer.weight][1]
         width = {"A": layer.in_per_group, "D": layer.out_per_group}
         tensors = {}
         if any(form != LOOKUP for form in layer.forms):
-            tensors = {tensor_key(layer.module, role): Spec((layer.groups, ROWS, width[role]), dtype) for role in roles}
+            tensors = {tensor_key(layer.module, role): Spec((layer.groups, ROWS, width[role]), layer.compute_dtype) for role in roles}
         if LOOKUP in layer.forms:
             tensors[tensor_key(layer.module, IDS_ROLE)] = Spec((LOOKUPS,), id_dtype(layer.out_features), layer.out_features)
             tensors[tensor_key(layer.module, ROWS_ROLE)] = Spec((LOOKUPS, layer.in_per_group), dtype)

@@ -53,9 +53,10 @@ from .layout import CapturedLayer, Layout
 DOWNLINKS = ("dense", "factors", "smaller")
 
 
-def dense_nbytes(layer: CapturedLayer, itemsize: int) -> int:
-    """Bytes of one layer's dense gradient, bias included."""
-    return (layer.weight_numel + (layer.out_features if layer.bias else 0)) * itemsize
+def dense_nbytes(layer: CapturedLayer) -> int:
+    """Bytes of one layer's dense gradient, bias included, in the weight's dtype (whatever
+    dtype its factors travel in)."""
+    return (layer.weight_numel + (layer.out_features if layer.bias else 0)) * layer.weight_dtype.itemsize
 
 
 class FactorSite(Stateless):
@@ -124,8 +125,7 @@ class FactorServer(LayerwiseServer):
 
     def sends_factors_down(self, layer: CapturedLayer, pooled: dict[str, torch.Tensor]) -> bool:
         if self.downlink == "smaller":
-            itemsize = next(t.element_size() for t in pooled.values() if t.is_floating_point())
-            return sum(t.numel() * t.element_size() for t in pooled.values()) < dense_nbytes(layer, itemsize)
+            return sum(t.numel() * t.element_size() for t in pooled.values()) < dense_nbytes(layer)
         return self.downlink == "factors"
 
 

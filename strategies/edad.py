@@ -102,6 +102,12 @@ def feed_forward_chain(model: nn.Module | None, layout: Layout) -> list[ChainLin
             layer = by_module.get(name)
             if layer is None or layer.forms != ("linear",) or layer.weight != f"{name}.weight":
                 raise ValueError(f"edad: layer {name!r} shares its weight or is used outside its call; {hint}")
+            if layer.compute_dtype != layer.weight_dtype:
+                raise ValueError(
+                    f"edad: layer {name!r} computes in {layer.compute_dtype} (autocast) while its weight is "
+                    f"{layer.weight_dtype}: edad recomputes hidden deltas in the weight's dtype, which autocast's "
+                    "backward does not; use 'dad' or 'auto' under precision bf16/fp16, or precision 'fp32'"
+                )
             if pending is not None:
                 links.append(ChainLink(pending, torch.ones_like))
             pending = layer

@@ -4,7 +4,7 @@ A *captured layer* is a weight whose every gradient-carrying use is a linear, co
 embedding call (``capture.py`` follows the calls, wherever they happen): its gradient is
 Σ Δᵀ A over the rows of every linear/conv call plus onehot(ids)ᵀ Δ over every lookup.
 A probe step (``probe.py``) checks each one against autograd; a weight that does not
-match (used outside those calls, mixed dtypes), and every other trainable parameter —
+match (used outside those calls, mixed dtypes outside autocast), and every other trainable parameter —
 norm layers, raw ``nn.Parameter``s — is *uncovered* and travels dense, as do floating
 buffers.
 
@@ -45,6 +45,10 @@ class CapturedLayer:
     # what a site may send for it (ROWS and LOOKUPS in checks.py).
     rows_per_sample: int | None = None
     lookups_per_sample: int | None = None
+    weight_dtype: torch.dtype = torch.float32
+    # The dtype its linear/conv calls compute in, and their A and Δ travel in: the weight's
+    # own, or autocast's (``precision.py``); lookups compute in the weight's dtype.
+    compute_dtype: torch.dtype = torch.float32
 
     @property
     def in_features(self) -> int:
@@ -96,8 +100,11 @@ class Layout:
         )
 
     @classmethod
-    def from_model(cls, model: nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tensor]) -> "Layout":
-        """Find and verify the captured layers with one probe step on ``example_inputs``.
+    def from_model(
+        cls, model: nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tensor], precision: str = "fp32"
+    ) -> "Layout":
+        """Find and verify the captured layers with one probe step on ``example_inputs``, its
+        forward at ``precision`` (``precision.py``: the dtype each layer's factors travel in).
 
         Every replica runs the same probe on the same example, so every replica finds the
         same layout (and fingerprint). The probe runs in eval mode (no running-statistics
@@ -106,7 +113,7 @@ class Layout:
         from .probe import probe_layers  # the probe captures calls, which needs this module
 
         trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-        layers, reasons = probe_layers(model, example_inputs)
+        layers, reasons = probe_layers(model, example_inputs, precision)
         params = tuple(name for name, _ in trainable)
         shapes = tuple(tuple(p.shape) for _, p in trainable)
         buffers = tuple(name for name, _ in model.named_buffers())

@@ -8,12 +8,14 @@ gradient rebuilt from its calls equals autograd's:
 
     ‖rebuilt − autograd‖ ≤ rtol · max(‖autograd‖, ‖|D|ᵀ|A| + onehotᵀ|rows|‖)
 
-(rtol 1e-5 in fp32/fp64; the second term is the size the rounding of the sums scales
-with, so a gradient that cancels to ~0 — an attention key bias — is not refused for its
-noise). Its bias is captured when every linear/conv call adds it and it verifies too.
+(rtol ``precision.tolerance`` of the dtype the calls compute in: 1e-5 in fp32/fp64, a few
+eps under autocast; the second term is the size the rounding of the sums scales with, so a
+gradient that cancels to ~0 — an attention key bias — is not refused for its noise). Under
+autocast (``precision``) the probe's forward runs in it, as every step's will. Its bias is
+captured when every linear/conv call adds it and it verifies too.
 Anything else travels dense, and the log says why, one line per parameter: a weight
 also used outside those calls (``F.linear(z, W.t())``), a call the model's forward
-alters in a way capture cannot see, autocast's mixed dtypes.
+alters in a way capture cannot see, mixed dtypes outside autocast.
 """
 
 from __future__ import annotations
@@ -28,17 +30,18 @@ from torch import nn
 from .base import Factors, layer_gradient
 from .capture import LOOKUP, Call, CallRecorder, as_args, call_forms, layer_factors
 from .layout import CapturedLayer
+from .precision import autocast, tolerance
 
 log = logging.getLogger("dadfl.capture")
 
 PROBE_SEED = 0
-RTOL = {torch.float64: 1e-5, torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 
 
 def probe_layers(
-    model: nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tensor]
+    model: nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tensor], precision: str = "fp32"
 ) -> tuple[list[CapturedLayer], dict[str, str]]:
-    """The verified captured layers (model parameter order) and why each refused weight is dense."""
+    """The verified captured layers (model parameter order) and why each refused weight is dense;
+    the forward runs at ``precision`` (``precision.py``)."""
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     args = as_args(example_inputs)
     recorder = CallRecorder({id(p): (name, p) for name, p in trainable}, args)
@@ -46,7 +49,7 @@ def probe_layers(
     model.eval()  # no running-statistics update, no dropout
     try:
         with torch.enable_grad():
-            with recorder:
+            with recorder, autocast(precision, args[0].device):
                 outputs = model(*args)
             ends = [t for t in _tensors(outputs) if t.is_floating_point() and t.requires_grad]
             if not ends:
@@ -98,6 +101,9 @@ def _candidate(
     matmul = [f for f in forms if f != LOOKUP]
     if len(matmul) > 1 or (matmul and LOOKUP in forms and matmul != ["linear"]):
         return None, f"called as {' and '.join(forms)}: one weight, one kind of call"
+    computed = {c.inputs.dtype for c in calls if c.kind != LOOKUP}
+    if len(computed) > 1:
+        return None, f"its calls compute in {' and '.join(sorted(map(str, computed)))}: one weight, one compute dtype"
     groups = {c.groups for c in calls}
     if len(groups) > 1:
         return None, f"conv calls with different groups {sorted(groups)}"
@@ -125,6 +131,8 @@ def _candidate(
             uses=tuple(uses),
             rows_per_sample=_per_sample([c for c in calls if c.kind != LOOKUP], batch),
             lookups_per_sample=_per_sample([c for c in calls if c.kind == LOOKUP], batch),
+            weight_dtype=weight.dtype,
+            compute_dtype=computed.pop() if computed else weight.dtype,
         ),
         "",
     )
@@ -146,7 +154,7 @@ def _verify(layer: CapturedLayer, calls: Sequence[Call], autograd: dict) -> tupl
     magnitude = Factors(*(t.abs() if t is not None and t.is_floating_point() else t for t in
                           (factors.A, factors.D, factors.ids, factors.rows)))
     weight_scale, bias_scale = layer_gradient(layer, magnitude.tensors(layer.module))
-    rtol = RTOL.get(weight.dtype, 1e-5)
+    rtol = tolerance(layer.compute_dtype)
     error = _relative_error(weight, autograd[layer.weight], weight_scale)
     if error > rtol:
         elsewhere = f"also used by {', '.join(layer.uses)}" if layer.uses else "its calls are altered in a way capture cannot see"

@@ -461,7 +461,9 @@ class RankDADSite:
             generator = state.generators.on((factors.A if factors.A is not None else factors.rows).device)
             result = power_iteration(factors.A, factors.D, options.rank, generator=generator, scale=1.0 / n,
                                      lookups=lookups, **passes)
-            P, Q = result.P * n, result.Q
+            # In the weight's dtype, as with error feedback: factors captured under autocast
+            # come out of the passes in theirs (``precision.py``).
+            P, Q = (result.P * n).to(target.layer.weight_dtype), result.Q.to(target.layer.weight_dtype)
         else:
             # The memory update needs M dense, so the passes run on it: the gradient is
             # autograd's (the probe checked it equals Dᵀ A), or rebuilt from the factors.

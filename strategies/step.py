@@ -21,6 +21,7 @@ from torch import nn
 from .base import BUFFER_ROLE, LocalResult, Payload, ServerHalf, SiteHalf, Strategy, split_key
 from .capture import local_step, per_sample_losses
 from .layout import Layout
+from .precision import autocast, scaled_backward
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -72,45 +73,55 @@ def _accumulate(total: dict[str, int], part: dict[str, int]) -> None:
         total[key] = total.get(key, 0) + value
 
 
-def layout_for(model: nn.Module, batch: Batch) -> Layout:
+def layout_for(model: nn.Module, batch: Batch, precision: str = "fp32") -> Layout:
     inputs = batch[0]
-    return Layout.from_model(model, inputs)
+    return Layout.from_model(model, inputs, precision)
 
 
 def step_update(
-    strategy: Strategy, model: nn.Module, loss_fn: LossFn, site_batches: Sequence[Batch]
+    strategy: Strategy, model: nn.Module, loss_fn: LossFn, site_batches: Sequence[Batch], precision: str = "fp32"
 ) -> dict[str, torch.Tensor]:
-    """The update one step of ``strategy`` reconstructs from per-site batches.
+    """The update one step of ``strategy`` reconstructs from per-site batches, every site's
+    forward at ``precision`` (``precision.py``).
 
     ``loss_fn(outputs, targets)`` returns per-sample losses. Returns the mean-loss
     gradient by parameter name (canonical names of ``model.named_parameters()``) plus
     averaged buffers under ``"<name>:buffer"``. The model's gradients are overwritten.
     """
-    layout = layout_for(model, site_batches[0])
+    layout = layout_for(model, site_batches[0], precision)
     # Every site starts from the same buffers (BatchNorm statistics), as separate replicas would.
     start = {name: buffer.clone() for name, buffer in model.named_buffers()}
     locals_ = []
     for inputs, targets in site_batches:
         for name, buffer in model.named_buffers():
             buffer.copy_(start[name])
-        locals_.append(local_step(model, layout, loss_fn, inputs, targets, capture=strategy.needs_factors))
+        locals_.append(local_step(model, layout, loss_fn, inputs, targets, strategy.needs_factors, precision))
     sites = [strategy.site(layout, model) for _ in site_batches]
     messages, _ = exchange(sites, strategy.server(layout, model), locals_, step=0)
     return strategy.decode(layout, messages, model)
 
 
-def reference_update(model: nn.Module, loss_fn: LossFn, site_batches: Sequence[Batch]) -> dict[str, torch.Tensor]:
-    """Σ_s (n_s/N) ∇(mean loss of site s), by plain autograd: the dSGD reference."""
+def reference_update(
+    model: nn.Module, loss_fn: LossFn, site_batches: Sequence[Batch], precision: str = "fp32"
+) -> dict[str, torch.Tensor]:
+    """Σ_s (n_s/N) ∇(mean loss of site s), by plain autograd, the forward at ``precision``: the
+    dSGD reference. Under fp16 each site's summed loss is scaled as a site's step scales it
+    (``precision.scaled_backward``): unscaled, fp16's small mean-loss gradients underflow."""
     total = sum(int(y.shape[0]) for _, y in site_batches)
     reference: dict[str, torch.Tensor] = {}
     for inputs, targets in site_batches:
         model.zero_grad(set_to_none=True)
         args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-        losses = per_sample_losses(loss_fn(model(*args), targets))
-        (losses.mean() * (targets.shape[0] / total)).backward()
+        with autocast(precision, args[0].device):
+            losses = per_sample_losses(loss_fn(model(*args), targets))
+        if precision == "fp16":
+            scale = scaled_backward(losses.sum(), model.parameters(), lambda: ()) * total
+        else:
+            (losses.mean() * (targets.shape[0] / total)).backward()
+            scale = 1.0
         for name, param in model.named_parameters():
             if param.grad is not None:
-                reference[name] = reference.get(name, 0) + param.grad.detach().clone()
+                reference[name] = reference.get(name, 0) + param.grad.detach() / scale
     model.zero_grad(set_to_none=True)
     return reference
 

@@ -249,6 +249,7 @@ def test_the_node_policy_comes_from_the_node_config_with_the_site_configs_names(
     assert [str(path) for path in policy.workload_path] == ["/opt/a", "/opt/b"]
     assert (policy.limits.max_batch_size, policy.limits.max_steps, policy.privacy.require_dp) == (64, 10_000_000, True)
     assert NodePolicy.from_node_config({}).allowed_workloads == list(BUILTIN)
+    assert NodePolicy.from_node_config({"limits.precisions": "fp32, fp16"}).limits.precisions == ["fp32", "fp16"]
     with pytest.raises(ConfigError, match=r"node config: field 'allowed_workloads'.*neither a built-in workload"):
         NodePolicy.from_node_config({"allowed_workloads": "os"})
 

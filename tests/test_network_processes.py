@@ -27,9 +27,20 @@ from dadfl.simulation import SimulationConfig, StrategySpec, simulate
     ids=lambda spec: spec.name + (f"-{spec.options['factor_bits']}bit" if "factor_bits" in spec.options else ""),
 )
 def test_processes_train_exactly_like_the_in_process_simulation(tmp_path, spec):
+    same_as_in_process(tmp_path, spec)
+
+
+def test_processes_train_at_bf16_exactly_like_the_in_process_simulation(tmp_path):
+    """training.precision reaches every site process in the run config: bf16 factors up and
+    down, every replica bit-identical to the in-process run's."""
+    same_as_in_process(tmp_path, StrategySpec(name="dad", options={"downlink": "factors", "raw_input": "activations"}), "bf16")
+
+
+def same_as_in_process(tmp_path, spec: StrategySpec, precision: str = "fp32") -> None:
     config = SimulationConfig(
         workload="digits-mlp", workload_options={"hidden": 16}, sites=3, partition="quantity", batch_size=24, steps=6,
         eval_every=3, device="cpu", optimizer=OptimizerConfig(name="sgd", lr=0.1, momentum=0.9), strategies=[spec],
+        precision=precision,
     )
     seen = []
     with MetricsWriter(tmp_path / "processes.jsonl") as metrics:

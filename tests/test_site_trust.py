@@ -204,6 +204,7 @@ HOSTILE_RUN_CONFIGS = {
     "layout fingerprint": (dict(layout_fingerprint="zz" * 1000), "expected hex digits"),
     "huge model probe": (dict(model_probe=[1.0] * 100_000), "model_probe values"),
     "huge layout lines": (dict(layout_line_hashes=list(range(100_000))), "layout_line_hashes"),
+    "unknown precision": (dict(precision="fp8"), "precision 'fp8'"),
 }
 
 
@@ -672,3 +673,17 @@ def test_a_held_out_file_is_checked_in_full_before_the_site_joins(problem, messa
     held_out = SplitDataset(Split(inputs, targets))
     with pytest.raises(DataMismatch, match=message):
         check_dataset(workload.build_model(), workload.loss, held_out, "evaluation.path held-out.csv", torch.device("cpu"))
+
+
+def test_a_precision_outside_the_sites_limits_is_refused():
+    """A site whose hardware lacks bf16 drops it from limits.precisions; [dp] runs in fp32."""
+    site = demo_site_config()
+    assert check_run_config(run_config(precision="bf16"), site, max_chunk_bytes=4 << 20).precision == "bf16"
+    assert check_run_config(run_config(), site, max_chunk_bytes=4 << 20).precision == "fp32"  # empty: fp32
+    fp32_only = site.model_copy(update={"limits": site.limits.model_copy(update={"precisions": ["fp32"]})})
+    with pytest.raises(RunRefused, match="limits.precisions"):
+        check_run_config(run_config(precision="bf16"), fp32_only, max_chunk_bytes=4 << 20)
+    dp = json.dumps({"max_grad_norm": 1.0, "max_sample_rate": 0.1, "noise_multiplier": 1.0, "delta": 1e-5,
+                     "epsilon": 3.0, "accountant": "rdp"})
+    with pytest.raises(RunRefused, match="per-sample clipping runs in fp32"):
+        check_run_config(run_config(dp=dp, precision="bf16"), site, max_chunk_bytes=4 << 20)
