@@ -16,6 +16,7 @@ from dadfl.privacy import DPConfig, check_dp_strategy
 from dadfl.options import strategy_options
 from dadfl.replica import OptimizerConfig
 from dadfl.strategies import STRATEGIES
+from dadfl.strategies.robust import DEFAULT_CLIP_RATIO
 
 
 MIN_PRIVATE_BATCH = 16  # an empty Poisson draw at some site: about 1e-7 per site and step
@@ -90,6 +91,14 @@ class FederationConfig(StrictModel):
     max_update_norm: float | None = Field(
         None, gt=0, description="optional absolute bound on a site's update norm (mean units); the only size bound "
         "when fewer than 3 sites take part"
+    )
+    clip_ratio: float | None = Field(
+        DEFAULT_CLIP_RATIO, ge=1, description="bounded influence: each site's update is scaled down to at most this "
+        "multiple of the median of the other sites' norms before aggregating (docs/robustness.md); none: no clipping"
+    )
+    agreement: bool = Field(
+        True, description="bounded influence, 3 or more sites: a site whose median cosine with the other sites' updates "
+        "is <= 0 gets weight 0 for the step (docs/robustness.md)"
     )
     quarantine_after: int = Field(
         3, ge=1, description="refused uploads after which a site is quarantined for the run (run_dir/quarantine.json; "

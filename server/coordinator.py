@@ -173,7 +173,9 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         self.layout = self.replica.layout
         self.codec = codec_id(config.wire.codec)
         federation = config.federation
-        self.screening = Screening(self.replica, federation.max_influence_ratio, federation.max_update_norm, self.codec)
+        self.screening = Screening(
+            self.replica, federation.max_influence_ratio, federation.max_update_norm, self.codec, federation.clip_ratio, federation.agreement,
+        )
         self.run_dir = Path(config.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.quarantine = Quarantine(self.run_dir, config.federation.quarantine_after)
@@ -885,6 +887,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             "site_ids": [link.site_id for link in result.participants],
             "attempt": attempt,
             "fingerprint_mismatches": mismatched,
+            **self.screening.weights_record(step, [link.site_id for link in result.participants]),
             **(self.strategy.describe(self.layout, result.messages) if not self.privacy else {}),
         }
         if self.privacy and (is_eval_step(step, self.config.training.eval_every, steps) or self.privacy.stop_reason()):
