@@ -175,6 +175,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         federation = config.federation
         self.screening = Screening(
             self.replica, federation.max_influence_ratio, federation.max_update_norm, self.codec, federation.clip_ratio, federation.agreement,
+            drop_zeroed=config.dp is None,
         )
         self.run_dir = Path(config.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)

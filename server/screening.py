@@ -60,6 +60,9 @@ class Screening:
     codec: int = pb.RAW  # what sites decode: the message after this codec's round trip
     clip_ratio: float | None = DEFAULT_CLIP_RATIO  # None: no clipping
     agreement: bool = True
+    # A site of weight 0 leaves the phase's aggregate (and its sample count), as if it had not
+    # sent; with [dp] it stays in with a zero update, since the noise is calibrated on the count.
+    drop_zeroed: bool = True
     facts: ModelFacts = field(init=False)
     # The step's factors so far (its earlier phases bound the later ones), and what the
     # metrics record of them: reset by each step's (each attempt's) phase 0.
@@ -132,7 +135,7 @@ class Screening:
             return list(payloads)
         strategy, layout, model = self.strategy, self.replica.layout, self.replica.model
         terms = [strategy.terms(layout, payload, messages, model)[0] for payload in payloads]
-        agreement = self.agreement and len(payloads) <= MAX_AGREEMENT_SITES
+        agreement = self.agreement and strategy.uploads_agree and len(payloads) <= MAX_AGREEMENT_SITES
         G = None
         if agreement:
             try:
@@ -154,7 +157,8 @@ class Screening:
                 "clipped": sorted(set(weights.clipped) | set(earlier["clipped"] if earlier else ())),
                 "disagreeing": sorted(set(weights.disagreeing) | set(earlier["disagreeing"] if earlier else ())),
             }
-        return [payload if factor == 1.0 else strategy.scale(layout, payload, factor) for payload, factor in zip(payloads, factors)]
+        kept = [(payload, factor) for payload, factor in zip(payloads, factors) if factor > 0.0 or not self.drop_zeroed]
+        return [payload if factor == 1.0 else strategy.scale(layout, payload, factor) for payload, factor in kept]
 
     def weights_record(self, step: int, names: Sequence[str]) -> dict:
         """What the metrics keep of ``step``'s factors, by site name (uploads' order): the

@@ -219,6 +219,10 @@ class Strategy:
 
     name = "strategy"
     needs_factors = True
+    # Whether honest sites' uploads point the same way, so that the robust rule may weigh
+    # sites by their cosines (``robust.py``); False where the strategy's uploads carry
+    # per-site memories that pull apart by construction.
+    uploads_agree = True
 
     def site(self, layout: Layout, model: nn.Module | None = None) -> SiteHalf:  # pragma: no cover
         raise NotImplementedError

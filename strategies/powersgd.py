@@ -423,6 +423,13 @@ class PowerSGD(Strategy):
                 update[name] = [Dense(tensor)]
         return update, buffers
 
+    @property
+    def uploads_agree(self) -> bool:
+        """Not with error feedback: each P_s, Q_s carries its site's memory e_s = M_s − P̂ Qᵀ,
+        and those memories pull apart by construction (digits-mlp, 4 honest sites: the median
+        cosine of a site's P_s with the others' was ≤ 0 at 67% of (site, step) pairs)."""
+        return not self.use_error_feedback
+
     # P_s in phase 0, Q_s in phase 1: the update P̂ Qᵀ is linear in each site's Q_s.
     SCALED_ROLES = frozenset({GRAD_ROLE, "P", "P_scale", "Q", "Q_scale"})
 
