@@ -161,3 +161,12 @@ def test_a_site_with_no_update_is_not_called_disagreeing_and_off_means_off():
     assert off.factors == [1.0, 1.0, 1.0]
     with pytest.raises(ValueError, match="not finite"):
         robust_weights(torch.tensor([[float("nan")]], dtype=torch.float64))
+
+
+def test_factors_that_overflow_together_raise_a_clear_error_not_linalg():
+    from dadfl.strategies.power_iteration import effective_rank, power_iteration
+
+    huge = torch.full((1, 8, 4), 1e30)
+    assert effective_rank(huge, huge) == 1  # the r × r product in float64: no overflow
+    with pytest.raises(ValueError, match="not finite"):
+        power_iteration(huge, huge, 2)
