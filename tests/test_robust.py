@@ -170,3 +170,14 @@ def test_factors_that_overflow_together_raise_a_clear_error_not_linalg():
     assert effective_rank(huge, huge) == 1  # the r × r product in float64: no overflow
     with pytest.raises(ValueError, match="not finite"):
         power_iteration(huge, huge, 2)
+
+
+def test_agreement_is_greedy_an_honest_site_pulled_down_by_the_attacker_alone_keeps_its_weight():
+    # sites 1 and 2 disagree slightly (cosine −0.07): their median cosines over the three others
+    # are ≤ 0 while the attacker (3) is in, > 0 once it is out
+    honest = [[1.0, 0.0, 0.0], [0.6, 0.8, 0.0], [0.8, -0.7, 0.2]]
+    G = gram_of([*honest, [-2.0, -0.2, 0.0]])
+    cosines = G / torch.outer(G.diagonal().sqrt(), G.diagonal().sqrt())
+    assert float(cosines[1, 2]) < 0 and float(cosines[1, 3]) < 0 and float(cosines[2, 3]) < 0
+    weights = robust_weights(G, clip_ratio=None)
+    assert weights.disagreeing == [3] and weights.factors == [1.0, 1.0, 1.0, 0.0]
