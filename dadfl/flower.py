@@ -358,9 +358,9 @@ class ServerBounds:
 
     max_influence_ratio: float = FederationConfig().max_influence_ratio
     max_update_norm: float | None = FederationConfig().max_update_norm
-    clip_ratio: float | None = FederationConfig().clip_ratio
-    agreement: bool = FederationConfig().agreement
     max_payload_bytes: int = WireConfig().max_payload_bytes
+    clip_ratio: float = FederationConfig().clip_ratio
+    agreement: bool = FederationConfig().agreement
 
     @classmethod
     def from_values(cls, values: dict[str, Any], source: str) -> "ServerBounds":

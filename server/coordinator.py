@@ -173,9 +173,12 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         self.layout = self.replica.layout
         self.codec = codec_id(config.wire.codec)
         federation = config.federation
+        # Under [dp] the robust weights are off: they depend on every site's data, so one record
+        # could move a whole site's weight and the noise is calibrated on per-sample clipping only.
+        private = config.dp is not None
         self.screening = Screening(
-            self.replica, federation.max_influence_ratio, federation.max_update_norm, self.codec, federation.clip_ratio, federation.agreement,
-            drop_zeroed=config.dp is None,
+            self.replica, federation.max_influence_ratio, federation.max_update_norm, self.codec,
+            None if private else federation.clip_ratio, federation.agreement and not private,
         )
         self.run_dir = Path(config.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -58,11 +58,8 @@ class Screening:
     max_influence_ratio: float
     max_update_norm: float | None
     codec: int = pb.RAW  # what sites decode: the message after this codec's round trip
-    clip_ratio: float | None = DEFAULT_CLIP_RATIO  # None: no clipping
+    clip_ratio: float | None = DEFAULT_CLIP_RATIO  # None or 0: no clipping
     agreement: bool = True
-    # A site of weight 0 leaves the phase's aggregate (and its sample count), as if it had not
-    # sent; with [dp] it stays in with a zero update, since the noise is calibrated on the count.
-    drop_zeroed: bool = True
     facts: ModelFacts = field(init=False)
     # The step's factors so far (its earlier phases bound the later ones), and what the
     # metrics record of them: reset by each step's (each attempt's) phase 0.
@@ -131,7 +128,7 @@ class Screening:
     def weigh(self, payloads: Sequence[Payload], messages: Sequence[Payload], remember: bool = True) -> list[Payload]:
         """The uploads scaled by the robust rule's factors (module text, step 2); ``remember``:
         keep the factors for the step's later phases and the metrics (not for trial runs)."""
-        if len(payloads) < 2 or (self.clip_ratio is None and not self.agreement):
+        if len(payloads) < 2 or (not self.clip_ratio and not self.agreement):
             return list(payloads)
         strategy, layout, model = self.strategy, self.replica.layout, self.replica.model
         terms = [strategy.terms(layout, payload, messages, model)[0] for payload in payloads]
@@ -157,7 +154,9 @@ class Screening:
                 "clipped": sorted(set(weights.clipped) | set(earlier["clipped"] if earlier else ())),
                 "disagreeing": sorted(set(weights.disagreeing) | set(earlier["disagreeing"] if earlier else ())),
             }
-        kept = [(payload, factor) for payload, factor in zip(payloads, factors) if factor > 0.0 or not self.drop_zeroed]
+        # A site of weight 0 leaves the phase's aggregate and its sample count, as if it had not
+        # sent: the others' mean is not diluted by it.
+        kept = [(payload, factor) for payload, factor in zip(payloads, factors) if factor > 0.0]
         return [payload if factor == 1.0 else strategy.scale(layout, payload, factor) for payload, factor in kept]
 
     def weights_record(self, step: int, names: Sequence[str]) -> dict:

@@ -24,10 +24,14 @@ samples of the sites of nonzero weight.
    step instead of a ramp, so that a site agreeing with the majority keeps factor 1 and the
    update stays bit-identical to plain averaging. Cosines do not change under clipping.
    With 2 sites there is no majority: the rule is off. A site of weight 0 leaves the
-   step's aggregate (``Screening.drop_zeroed``): the others' mean is not diluted by it.
+   step's aggregate (``Screening.weigh``): the others' mean is not diluted by it.
 
 s_i = a_i · w_i. A clean step (every site within c× the others' median, every median cosine
 positive) gives every site 1: the coordinator then aggregates the uploads untouched.
+
+Not under differential privacy: the factors depend on every site's data, so one record
+could move a whole site's weight, a sensitivity the noise is not calibrated for (the
+coordinator turns the rule off with ``[dp]``; per-sample clipping bounds each site there).
 
 Tuning: ``clip_ratio`` (c) trades how much one site can move the model (c honest
 contributions) against how often honest sites are clipped; ``docs/robustness.md`` has the
@@ -48,6 +52,14 @@ from .checks import medians_of_the_others
 DEFAULT_CLIP_RATIO = 2.0  # measured: docs/robustness.md
 
 
+def check_clip_ratio(value: float) -> float:
+    """``clip_ratio`` as the configs take it: 0 (no clipping) or at least 1 (below 1 every
+    site, the median one included, would be clipped)."""
+    if not (value == 0 or 1 <= value < math.inf):
+        raise ValueError(f"clip_ratio={value!r} must be 0 (no clipping) or a finite number >= 1")
+    return value
+
+
 @dataclass(frozen=True)
 class Weights:
     """Per site: the factor applied, the clip part a_i, whether agreement zeroed it."""
@@ -62,13 +74,13 @@ class Weights:
 
 
 def robust_weights(G: torch.Tensor, clip_ratio: float | None = DEFAULT_CLIP_RATIO, agreement: bool = True) -> Weights:
-    """The rule above on the Gram matrix ``G``; ``clip_ratio`` None: no clipping."""
+    """The rule above on the Gram matrix ``G``; ``clip_ratio`` None or 0: no clipping."""
     S = G.shape[0]
     if not bool(torch.isfinite(G).all()):
         raise ValueError("the sites' Gram matrix is not finite")
     norms = [math.sqrt(max(float(G[i, i]), 0.0)) for i in range(S)]
     clip = [1.0] * S
-    if clip_ratio is not None and S >= 2:
+    if clip_ratio and S >= 2:
         for i, reference in enumerate(medians_of_the_others(norms)):
             if norms[i] > clip_ratio * reference:
                 clip[i] = clip_ratio * reference / norms[i]
