@@ -49,8 +49,10 @@ header claims). Then the gRPC coordinator's own checks run: the protocol header
 strategy's rules and the influence bound, and the aggregated message as every node will
 decode it (``server/screening.py``). The bounds (:class:`ServerBounds`) are the gRPC server
 config's fields of the same names, set in the run config (``max-influence-ratio``,
-``max-update-norm``, ``max-payload-bytes``) or at their defaults: ``max_influence_ratio``
-100, no ``max_update_norm``, ``max_payload_bytes`` 1 GiB.
+``max-update-norm``, ``clip-ratio``, ``agreement``, ``max-payload-bytes``) or at their
+defaults: ``max_influence_ratio`` 100, no ``max_update_norm``, bounded influence on
+(``clip_ratio`` 4, ``agreement``: the same clipping and weights as the gRPC coordinator,
+``docs/robustness.md``), ``max_payload_bytes`` 1 GiB.
 Without dropout tolerance, a refused node stops the run with a :class:`FlowerRunError`
 naming the node and the reason. What Flower itself holds before the ServerApp sees a
 reply (the message as the SuperLink received it) is Flower's to bound.
@@ -143,7 +145,10 @@ REPLY_TIMEOUT_S = 600.0  # a fresh flwr-clientapp process imports torch and load
 MAX_ATTEMPTS_PER_STEP = 3
 
 # The ServerApp's bounds on replies: ``dadfl server``'s [federation] and [wire] fields of these names.
-BOUND_FIELDS = {"max_influence_ratio": FederationConfig, "max_update_norm": FederationConfig, "max_payload_bytes": WireConfig}
+BOUND_FIELDS = {
+    "max_influence_ratio": FederationConfig, "max_update_norm": FederationConfig, "clip_ratio": FederationConfig,
+    "agreement": FederationConfig, "max_payload_bytes": WireConfig,
+}
 # Keys a Flower run config may set besides the SimulationConfig fields (dashes or underscores).
 RUN_CONFIG_EXTRAS = ("config", "strategy", "out", *BOUND_FIELDS)
 
@@ -354,6 +359,8 @@ class ServerBounds:
     max_influence_ratio: float = FederationConfig().max_influence_ratio
     max_update_norm: float | None = FederationConfig().max_update_norm
     max_payload_bytes: int = WireConfig().max_payload_bytes
+    clip_ratio: float = FederationConfig().clip_ratio
+    agreement: bool = FederationConfig().agreement
 
     @classmethod
     def from_values(cls, values: dict[str, Any], source: str) -> "ServerBounds":
@@ -682,7 +689,9 @@ class FlowerCoordinator:
         # (digits MLP) to 6.6 KB (char transformer), too much for every step.
         self.model_identity = identity_text(self.replica.layout.lines(), self.replica.model_probe)
         self.server_half = self.strategy.server(self.replica.layout, self.replica.model)
-        self.screening = Screening(self.replica, bounds.max_influence_ratio, bounds.max_update_norm)
+        self.screening = Screening(
+            self.replica, bounds.max_influence_ratio, bounds.max_update_norm, clip_ratio=bounds.clip_ratio, agreement=bounds.agreement,
+        )
         self.fingerprint = weights_fingerprint(self.replica.model)
         self.nodes: list[int] = []
 
@@ -730,6 +739,7 @@ class FlowerCoordinator:
                 "site_ids": [str(node) for node in self.nodes],
                 "attempt": attempt - 1,
                 "fingerprint_mismatches": mismatched,
+                **self.screening.weights_record(step, [str(node) for node in self.nodes]),
                 **self.strategy.describe(self.replica.layout, result.messages),
             }
             if is_eval_step(step, self.config.eval_every, self.config.steps):

@@ -10,6 +10,7 @@ runs in every mode. After every step all replicas must hold bit-identical weight
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any, Callable, Literal
@@ -25,6 +26,7 @@ from .config import Precision, StrictModel
 from .metrics import MetricsWriter, is_eval_step, run_summary
 from .privacy import CoordinatorNoise, DPConfig, PrivacyBudget, check_dp_strategy, expected_batch, log_plan, private_step, site_sample_rate
 from .replica import OptimizerConfig, Replica, check_dp_precision, resolve_device
+from .strategies.robust import DEFAULT_CLIP_RATIO, check_clip_ratio
 
 
 log = logging.getLogger("dadfl.simulation")
@@ -94,7 +96,14 @@ class SimulationConfig(StrictModel):
         ]
     )
 
+    clip_ratio: float = Field(
+        DEFAULT_CLIP_RATIO, description="bounded influence as the coordinator applies it (federation.clip_ratio, "
+        "docs/robustness.md): each site's update scaled down to this multiple of the others' median norm; 0: off"
+    )
+    agreement: bool = Field(True, description="bounded influence: weight 0 for a site against the majority (federation.agreement)")
     dp: DPConfig | None = Field(None, description="sample-level differential privacy (docs/privacy.md); off when absent")
+
+    _clip_ratio = field_validator("clip_ratio")(check_clip_ratio)
 
     @field_validator("strategies")
     @classmethod
@@ -157,6 +166,10 @@ def _simulate(config: SimulationConfig, spec: StrategySpec, metrics: MetricsWrit
     for site in sites:
         site.load_weights_from(coordinator)
     server = strategy.server(coordinator.layout, coordinator.model)
+    from .server.screening import Screening  # the server package imports this module
+
+    # The coordinator's robust weights, as a networked run applies them (off under [dp], as there).
+    screening = Screening(coordinator, math.inf, None, clip_ratio=config.clip_ratio, agreement=config.agreement)
     has_test = workload.test is not None and len(workload.test) > 0
 
     records: list[dict[str, Any]] = []
@@ -167,7 +180,7 @@ def _simulate(config: SimulationConfig, spec: StrategySpec, metrics: MetricsWrit
         start = time.perf_counter()
         if budget is None:
             locals_ = [site.work(batch.at, step) for site, batch in zip(sites, batches)]
-            messages, traffic = exchange([site.half for site in sites], server, locals_, step)
+            messages, traffic = exchange([site.half for site in sites], server, locals_, step, screening.weigh)
             bytes_up, bytes_down = traffic.up_total, traffic.down_per_site * len(sites)
         else:
             drawn = [batch.at(step) for batch in batches]
@@ -193,6 +206,7 @@ def _simulate(config: SimulationConfig, spec: StrategySpec, metrics: MetricsWrit
             "seconds": elapsed,
             "fingerprint": fingerprints.pop(),
             **(strategy.describe(coordinator.layout, messages) if budget is None else {}),
+            **screening.weights_record(step, [f"site-{s}" for s in range(len(sites))]),
         }
         evaluates = is_eval_step(step, config.eval_every, config.steps) or step + 1 == last_step  # the model released
         if budget is not None and evaluates:  # the last step is an eval step (is_eval_step)

@@ -16,6 +16,7 @@ from dadfl.privacy import DPConfig, check_dp_strategy
 from dadfl.options import strategy_options
 from dadfl.replica import OptimizerConfig, check_dp_precision
 from dadfl.strategies import STRATEGIES
+from dadfl.strategies.robust import DEFAULT_CLIP_RATIO, check_clip_ratio
 
 
 MIN_PRIVATE_BATCH = 16  # an empty Poisson draw at some site: about 1e-7 per site and step
@@ -95,12 +96,22 @@ class FederationConfig(StrictModel):
         None, gt=0, description="optional absolute bound on a site's update norm (mean units); the only size bound "
         "when fewer than 3 sites take part"
     )
+    clip_ratio: float = Field(
+        DEFAULT_CLIP_RATIO, description="bounded influence: each site's update is scaled down to at most this "
+        "multiple of the median of the other sites' norms before aggregating (docs/robustness.md); 0: no clipping"
+    )
+    agreement: bool = Field(
+        True, description="bounded influence, 3 or more sites: a site whose median cosine with the other sites' updates "
+        "is <= 0 gets weight 0 for the step (docs/robustness.md)"
+    )
     quarantine_after: int = Field(
         3, ge=1, description="refused uploads after which a site is quarantined for the run (run_dir/quarantine.json; "
         "the operator re-admits it by deleting its entry)"
     )
     max_eval_samples: int = Field(10_000_000, ge=1, description="largest held-out sample count a site may report")
     sync_per_minute: int = Field(60, ge=1, description="full-state resends a site may ask for per minute (at most one per step)")
+
+    _clip_ratio = field_validator("clip_ratio")(check_clip_ratio)
 
     @model_validator(mode="after")
     def _initial_at_least_quorum(self) -> "FederationConfig":

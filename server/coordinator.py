@@ -173,7 +173,13 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         self.layout = self.replica.layout
         self.codec = codec_id(config.wire.codec)
         federation = config.federation
-        self.screening = Screening(self.replica, federation.max_influence_ratio, federation.max_update_norm, self.codec)
+        # Under [dp] the robust weights are off: they depend on every site's data, so one record
+        # could move a whole site's weight and the noise is calibrated on per-sample clipping only.
+        private = config.dp is not None
+        self.screening = Screening(
+            self.replica, federation.max_influence_ratio, federation.max_update_norm, self.codec,
+            None if private else federation.clip_ratio, federation.agreement and not private,
+        )
         self.run_dir = Path(config.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.quarantine = Quarantine(self.run_dir, config.federation.quarantine_after)
@@ -888,6 +894,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             "site_ids": [link.site_id for link in result.participants],
             "attempt": attempt,
             "fingerprint_mismatches": mismatched,
+            **self.screening.weights_record(step, [link.site_id for link in result.participants]),
             **(self.strategy.describe(self.layout, result.messages) if not self.privacy else {}),
         }
         if self.privacy and (is_eval_step(step, self.config.training.eval_every, steps) or self.privacy.stop_reason()):

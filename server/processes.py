@@ -80,7 +80,10 @@ def simulation_configs(config: SimulationConfig, spec: StrategySpec, folder: Pat
             "optimizer": config.optimizer.model_dump(),
             "training": {"steps": config.steps, "batch_size": config.batch_size, "eval_every": config.eval_every, "checkpoint_every": 0,
                          "precision": config.precision},
-            "federation": {"min_sites": config.sites, "initial_sites": config.sites, "linger_s": 0},
+            "federation": {
+                "min_sites": config.sites, "initial_sites": config.sites, "linger_s": 0,
+                "clip_ratio": config.clip_ratio, "agreement": config.agreement,
+            },
             **({"dp": {**config.dp.model_dump(exclude_none=True), "max_sample_rate": dp_sample_rate(config)}} if config.dp else {}),
         },
     )

@@ -10,7 +10,14 @@ step, attempt, phase, model version, sample count). Then, over all uploads of th
    and ``max_update_norm``, ``checks.influence_outliers``). When the check itself raises,
    the uploads are checked one by one to find the culprit; when it raises on every upload
    the check is at fault, not the sites, and the exception propagates.
-2. :meth:`Screening.message` — the aggregated message as every site will decode it (after
+2. :meth:`Screening.weigh` — bounded influence (``strategies/robust.py``): from the Gram
+   matrix of the accepted uploads' updates (inner products from the factors,
+   ``strategies/gram.py``) a factor in [0, 1] per site — clipped to ``clip_ratio`` × the
+   median of the others' norms, 0 for a site whose median cosine with the others is ≤ 0
+   (``agreement``) — and each upload scaled by its factor (``Strategy.scale``). Factors
+   decided in a step's earlier phases bound the later ones' (PowerSGD: a site zeroed on
+   P_s stays zeroed on Q_s). A step where every factor is 1 aggregates the uploads untouched.
+3. :meth:`Screening.message` — the aggregated message as every site will decode it (after
    the wire codec), finite, and the update it decodes to naming the model's parameters with
    their shapes (``checks.check_update``): a server never sends a message that fails at a site.
    :meth:`Screening.breaking` names the uploads that make it fail.
@@ -22,6 +29,7 @@ is synchronous and pure: a runtime may run it in a worker thread.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -32,6 +40,14 @@ from dadfl.protos.codec import roundtrip
 from dadfl.replica import Replica
 from dadfl.strategies import Payload
 from dadfl.strategies.checks import ModelFacts, all_finite, check_update, influence_outliers
+from dadfl.strategies.gram import UnpairedForms, gram, sq_norm
+from dadfl.strategies.robust import DEFAULT_CLIP_RATIO, robust_weights
+
+log = logging.getLogger(__name__)
+
+# The agreement rule needs every pair of sites (S(S-1)/2 inner products, each at most a norm's
+# cost); above this many sites a step is clipped only (S norms).
+MAX_AGREEMENT_SITES = 32
 
 
 @dataclass
@@ -42,7 +58,12 @@ class Screening:
     max_influence_ratio: float
     max_update_norm: float | None
     codec: int = pb.RAW  # what sites decode: the message after this codec's round trip
+    clip_ratio: float | None = DEFAULT_CLIP_RATIO  # None or 0: no clipping
+    agreement: bool = True
     facts: ModelFacts = field(init=False)
+    # The step's factors so far (its earlier phases bound the later ones), and what the
+    # metrics record of them: reset by each step's (each attempt's) phase 0.
+    weighed: dict = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.facts = ModelFacts.from_model(self.replica.model, self.replica.layout)
@@ -104,10 +125,56 @@ class Screening:
             refused[good[j]] = f"contribution out of bounds: {reason}"
         return refused
 
-    def message(self, half: Any, payloads: Sequence[Payload], messages: Sequence[Payload]) -> tuple[Payload, Payload, dict]:
-        """Aggregate, and decode what sites will decode: (message, as sites receive it, update
-        after this phase). Raises when the message would fail at a site."""
-        message = half.aggregate(list(payloads))
+    def weigh(self, payloads: Sequence[Payload], messages: Sequence[Payload], remember: bool = True) -> list[Payload]:
+        """The uploads scaled by the robust rule's factors (module text, step 2); ``remember``:
+        keep the factors for the step's later phases and the metrics (not for trial runs)."""
+        if len(payloads) < 2 or (not self.clip_ratio and not self.agreement):
+            return list(payloads)
+        strategy, layout, model = self.strategy, self.replica.layout, self.replica.model
+        terms = [strategy.terms(layout, payload, messages, model)[0] for payload in payloads]
+        agreement = self.agreement and strategy.uploads_agree and len(payloads) <= MAX_AGREEMENT_SITES
+        G = None
+        if agreement:
+            try:
+                G = gram(terms)
+            except UnpairedForms as exc:  # exact or nothing: this step is clipped only
+                log.warning("step %d phase %d: no agreement weights (%s)", payloads[0].step, payloads[0].phase, exc)
+                agreement = False
+        if G is None:
+            G = torch.diag(torch.tensor([sq_norm(t) for t in terms], dtype=torch.float64))
+        weights = robust_weights(G, self.clip_ratio, agreement)
+        step, phase = payloads[0].step, payloads[0].phase
+        factors = weights.factors
+        earlier = self.weighed if phase > 0 and self.weighed.get("step") == step else None
+        if earlier is not None and len(earlier["factors"]) == len(factors):
+            factors = [min(a, b) for a, b in zip(factors, earlier["factors"])]
+        if remember:
+            self.weighed = {
+                "step": step, "factors": factors,
+                "clipped": sorted(set(weights.clipped) | set(earlier["clipped"] if earlier else ())),
+                "disagreeing": sorted(set(weights.disagreeing) | set(earlier["disagreeing"] if earlier else ())),
+            }
+        # A site of weight 0 leaves the phase's aggregate and its sample count, as if it had not
+        # sent: the others' mean is not diluted by it.
+        kept = [(payload, factor) for payload, factor in zip(payloads, factors) if factor > 0.0]
+        return [payload if factor == 1.0 else strategy.scale(layout, payload, factor) for payload, factor in kept]
+
+    def weights_record(self, step: int, names: Sequence[str]) -> dict:
+        """What the metrics keep of ``step``'s factors, by site name (uploads' order): the
+        factor of every site below 1, the sites clipped and those zeroed for disagreeing."""
+        weighed = self.weighed if self.weighed.get("step") == step and len(self.weighed["factors"]) == len(names) else None
+        if weighed is None:
+            return {}
+        return {
+            "robust_factors": {name: f for name, f in zip(names, weighed["factors"]) if f != 1.0},
+            "robust_clipped": [names[i] for i in weighed["clipped"]],
+            "robust_disagreeing": [names[i] for i in weighed["disagreeing"]],
+        }
+
+    def message(self, half: Any, payloads: Sequence[Payload], messages: Sequence[Payload], remember: bool = True) -> tuple[Payload, Payload, dict]:
+        """Weigh, aggregate, and decode what sites will decode: (message, as sites receive it,
+        update after this phase). Raises when the message would fail at a site."""
+        message = half.aggregate(self.weigh(payloads, messages, remember))
         sent = roundtrip(message, self.codec)
         for key, tensor in sent.tensors.items():
             if not all_finite(tensor):
@@ -122,7 +189,7 @@ class Screening:
         half = self.strategy.server(self.replica.layout, self.replica.model)
         half.load_state_dict(start)
         try:
-            self.message(half, payloads, messages)
+            self.message(half, payloads, messages, remember=False)
         except Exception:
             return False
         return True

@@ -25,6 +25,10 @@ from torch import nn
 from .layout import CapturedLayer, Layout
 
 ROLE_SEPARATOR = ":"
+BUFFER_ROLE = "buffer"
+GRAD_ROLE = "grad"
+IDS_ROLE = "ids"  # an embedding's looked-up ids (int32, or int64 for a table beyond 2³¹ rows)
+ROWS_ROLE = "rows"  # the Δ rows of those lookups
 
 
 def tensor_key(name: str, role: str) -> str:
@@ -215,6 +219,10 @@ class Strategy:
 
     name = "strategy"
     needs_factors = True
+    # Whether honest sites' uploads point the same way, so that the robust rule may weigh
+    # sites by their cosines (``robust.py``); False where the strategy's uploads carry
+    # per-site memories that pull apart by construction.
+    uploads_agree = True
 
     def site(self, layout: Layout, model: nn.Module | None = None) -> SiteHalf:  # pragma: no cover
         raise NotImplementedError
@@ -263,14 +271,42 @@ class Strategy:
 
         return check_uploads(self.upload_units(layout, facts, phase, step, model), payloads, self.name, phase)
 
+    def terms(
+        self, layout: Layout, payload: Payload, messages_so_far: Sequence[Payload], model: nn.Module | None = None
+    ) -> tuple[dict, dict]:
+        """What one checked upload adds, as ``gram`` terms in mean units: (the update's, the
+        floating buffers'). Norms and the inner products between sites (``gram.gram``) are
+        computed from them without forming ΔᵀA."""
+        from .checks import layerwise_terms
+
+        return layerwise_terms(layout, payload)
+
     def contribution(
         self, layout: Layout, payload: Payload, messages_so_far: Sequence[Payload], model: nn.Module | None = None
     ) -> dict[str, float]:
         """Norms (mean units, float64) of what one checked upload adds to the update, by
         kind ("update", "buffers"); the server bounds each against the other sites'."""
-        from .checks import layerwise_contribution
+        from .checks import contribution_norms
 
-        return layerwise_contribution(layout, payload)
+        return contribution_norms(*self.terms(layout, payload, messages_so_far, model))
+
+    # Roles whose tensors carry an upload's gradient linearly: Δ (A is the same for any
+    # scale), dense gradients, lookups' Δ rows, P (its column scales when sent as codes).
+    SCALED_ROLES = frozenset({GRAD_ROLE, "D", ROWS_ROLE, "P", "P_scale"})
+
+    def scale(self, layout: Layout, payload: Payload, factor: float) -> Payload:
+        """The same upload with the update it adds multiplied by ``factor`` in [0, 1], exactly
+        (the robust rule's clipping and weights, ``robust.py``): every floating tensor of a
+        role in ``SCALED_ROLES`` times ``factor``; buffers are statistics, not gradients, and
+        stay. Never enlarges (the privacy sensitivity and byte counts stay valid). A strategy
+        whose gradient travels under other roles overrides ``SCALED_ROLES``."""
+        if not 0.0 <= factor <= 1.0:
+            raise ValueError(f"{self.name}: scale factor {factor!r} is outside [0, 1]")
+        tensors = {
+            key: tensor * factor if split_key(key)[1] in self.SCALED_ROLES and tensor.is_floating_point() else tensor
+            for key, tensor in payload.tensors.items()
+        }
+        return Payload(payload.step, payload.phase, payload.num_samples, tensors)
 
 
 RAW_INPUT_POLICIES = ("dense", "low_rank", "activations")
@@ -303,10 +339,6 @@ def may_share(layer: CapturedLayer, raw_input: str, form: str) -> bool:
 # buffers (BatchNorm running statistics, sample-weighted) travel the same way in every
 # strategy: up as sums, down as means.
 
-BUFFER_ROLE = "buffer"
-GRAD_ROLE = "grad"
-IDS_ROLE = "ids"  # an embedding's looked-up ids (int32, or int64 for a table beyond 2³¹ rows)
-ROWS_ROLE = "rows"  # the Δ rows of those lookups
 
 
 def dense_upload(local: LocalResult, names: Sequence[str], buffers: Sequence[str]) -> dict[str, torch.Tensor]:

@@ -21,7 +21,7 @@ gradient, and it adds nothing.
 An upload must match exactly one form of every unit, carry nothing else, and hold only
 finite values (:func:`check_payload`). Then its **contribution** is measured — the norm
 of the update it would add, in mean units, computed from the factors without forming
-ΔᵀA where that is cheaper (:func:`factor_sq_norm`, :func:`low_rank_sq_norm`), in
+ΔᵀA where that is cheaper (``gram.py``: the same inner products the robust rule reads), in
 float64 so finite values near the float32 limit cannot overflow — and a site whose
 contribution is non-finite or out of proportion with the others' is refused
 (:func:`influence_outliers`). Before the server sends a message, the update every site
@@ -41,6 +41,7 @@ from torch import nn
 
 from dadfl.sanitize import printable
 
+from . import gram
 from .base import BUFFER_ROLE, GRAD_ROLE, IDS_ROLE, ROWS_ROLE, Payload, split_key, tensor_key
 from .capture import LOOKUP, id_dtype
 from .layout import CapturedLayer, Layout
@@ -254,71 +255,60 @@ def check_uploads(units: Sequence[Unit] | None, payloads: Sequence[Payload], wha
 
 
 def sq_norm(tensor: torch.Tensor) -> float:
-    t = tensor.double()
-    return float((t * t).sum())
+    return gram.sq_norm({"": [gram.Dense(tensor)]})
 
 
 def factor_sq_norm(A: torch.Tensor, D: torch.Tensor) -> float:
-    """‖DᵀA‖_F² summed over groups, in float64: from the n × n Grams, Σ (AAᵀ) ⊙ (DDᵀ),
-    when n(k + m) < km, else by forming DᵀA."""
-    A, D = A.double(), D.double()
-    n, k, m = A.shape[1], A.shape[2], D.shape[2]
-    if n * (k + m) < k * m:
-        return float((torch.bmm(A, A.transpose(1, 2)) * torch.bmm(D, D.transpose(1, 2))).sum())
-    product = torch.bmm(D.transpose(1, 2), A)
-    return float((product * product).sum())
-
-
-def lookup_sq_norm(ids: torch.Tensor, rows: torch.Tensor, A: torch.Tensor | None, D: torch.Tensor | None) -> float:
-    """‖onehot(ids)ᵀ rows + DᵀA‖_F² (the second term for a head tied to the table), in float64,
-    without the V × d table: the rows summed per distinct id (S), ‖DᵀA‖² from the factors, and the
-    cross term 2 Σ (DᵀA)[u] · S[u] over the distinct ids u only. Memory follows the lookups, not V."""
-    unique, inverse = ids.long().unique(return_inverse=True)
-    S = rows.double().new_zeros(len(unique), rows.shape[-1]).index_add_(0, inverse, rows.double().reshape(-1, rows.shape[-1]))
-    total = float((S * S).sum())
-    if A is not None and D is not None:
-        A, D = A.double(), D.double()
-        head_rows = torch.bmm(D[:, :, unique].transpose(1, 2), A).sum(dim=0)  # (DᵀA) at the looked-up rows
-        total += factor_sq_norm(A, D) + 2 * float((head_rows.reshape(S.shape) * S).sum())
-    return total
+    """‖DᵀA‖_F² summed over groups, in float64, from the factors (``gram.py``)."""
+    return gram.sq_norm({"": [gram.Factors(A, D)]})
 
 
 def low_rank_sq_norm(P: torch.Tensor, Q: torch.Tensor) -> float:
-    """‖PQᵀ‖_F² = Σ (PᵀP) ⊙ (QᵀQ), summed over groups (a leading group axis optional)."""
-    P, Q = P.double(), Q.double()
-    return float((P.transpose(-2, -1) @ P * (Q.transpose(-2, -1) @ Q)).sum())
+    """‖PQᵀ‖_F² = Σ (PᵀP) ⊙ (QᵀQ), summed over groups."""
+    return gram.sq_norm({"": [gram.LowRank(P, Q)]})
 
 
-def layerwise_contribution(layout: Layout, payload: Payload, low_rank: Sequence[tuple] | None = None) -> dict[str, float]:
-    """Norms, in mean units, of the update a one-phase layer-wise payload adds (dense
-    gradients, activation/delta pairs with the bias read off Δ, P/Q pairs: ``low_rank``,
-    by default those under captured layers' names) and of its floating buffers. Sum-unit
-    tensors are divided by ``num_samples``."""
-    tensors, n = payload.tensors, payload.num_samples
-    update = buffers = 0.0
+def layerwise_terms(layout: Layout, payload: Payload, low_rank: dict[str, tuple] | None = None) -> tuple[gram.Terms, gram.Terms]:
+    """What a one-phase layer-wise payload adds, as ``gram`` terms in mean units: (update,
+    floating buffers). Dense gradients, activation/delta pairs with the bias read off Δ,
+    lookups, and P/Q pairs (``low_rank``: by name, by default those under captured layers'
+    names). Sum-unit tensors carry the weight 1/``num_samples``."""
+    tensors, w = payload.tensors, 1.0 / payload.num_samples
+    update: gram.Terms = {}
+    buffers: gram.Terms = {}
     for key, tensor in tensors.items():
-        _, role = split_key(key)
+        name, role = split_key(key)
         if role == GRAD_ROLE:
-            update += sq_norm(tensor)
+            update.setdefault(name, []).append(gram.Dense(tensor, w))
         elif role == BUFFER_ROLE and tensor.is_floating_point():
-            buffers += sq_norm(tensor)
+            buffers[name] = [gram.Dense(tensor, w)]
     for layer in layout.layers:
         a, d = tensors.get(tensor_key(layer.module, "A")), tensors.get(tensor_key(layer.module, "D"))
         ids, rows = tensors.get(tensor_key(layer.module, IDS_ROLE)), tensors.get(tensor_key(layer.module, ROWS_ROLE))
         if ids is not None and rows is not None:
-            update += lookup_sq_norm(ids, rows, a, d)
-            if a is not None and d is not None and layer.bias:
-                update += sq_norm(d.sum(dim=1))
-        elif a is not None and d is not None:
-            update += factor_sq_norm(a, d)
+            update.setdefault(layer.weight, []).append(gram.Lookups.of(ids, rows, w))
+        if a is not None and d is not None:
+            update.setdefault(layer.weight, []).append(gram.Factors(a, d, w))
             if layer.bias:
-                update += sq_norm(d.sum(dim=1))
+                update.setdefault(layer.bias, []).append(gram.Dense(d.sum(dim=1), w))
     if low_rank is None:
-        low_rank = [(tensors.get(tensor_key(layer.module, "P")), tensors.get(tensor_key(layer.module, "Q"))) for layer in layout.layers]
-    for p, q in low_rank:
+        low_rank = {layer.module: (tensors.get(tensor_key(layer.module, "P")), tensors.get(tensor_key(layer.module, "Q")))
+                    for layer in layout.layers}
+    for name, (p, q) in low_rank.items():
         if p is not None and q is not None:
-            update += low_rank_sq_norm(p, q)
-    return {"update": math.sqrt(update) / n, "buffers": math.sqrt(buffers) / n}
+            update.setdefault(name, []).append(gram.LowRank(p, q, w))
+    return update, buffers
+
+
+def contribution_norms(update: gram.Terms, buffers: gram.Terms) -> dict[str, float]:
+    """The norms the influence bound reads: of the update terms and of the buffer terms."""
+    return {"update": math.sqrt(gram.sq_norm(update)), "buffers": math.sqrt(gram.sq_norm(buffers))}
+
+
+def layerwise_contribution(layout: Layout, payload: Payload, low_rank: dict[str, tuple] | None = None) -> dict[str, float]:
+    """Norms, in mean units, of the update a one-phase layer-wise payload adds and of its
+    floating buffers (``layerwise_terms``)."""
+    return contribution_norms(*layerwise_terms(layout, payload, low_rank))
 
 
 def medians_of_the_others(values: list[float]) -> list[float]:

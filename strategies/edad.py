@@ -47,7 +47,7 @@ from .base import (
     may_share,
     tensor_key,
 )
-from .checks import Unit, layerwise_contribution
+from .checks import Unit, layerwise_terms
 from .dad import FactorServer
 from .layout import CapturedLayer, Layout
 
@@ -219,13 +219,14 @@ class EDAD(Strategy):
             units.append(Unit(layer.module, (facts.layer_factors(layer, "AD" if layer == site.output else "A"),)))
         return units
 
-    def contribution(self, layout: Layout, payload: Payload, messages_so_far, model: nn.Module | None = None) -> dict:
-        """The hidden deltas this site's rows imply, recomputed in float64, then as dAD."""
+    def terms(self, layout: Layout, payload: Payload, messages_so_far, model: nn.Module | None = None) -> tuple[dict, dict]:
+        """The hidden deltas this site's rows imply, recomputed in float64, then as dAD. They are
+        linear in the output deltas, so the default ``scale`` (Δ times the factor) scales them all."""
         chain = feed_forward_chain(model, layout)
         params = {name: p.detach().double() for name, p in model.named_parameters()}
         tensors = {key: t.double() if t.is_floating_point() else t for key, t in payload.tensors.items()}
         full = recompute_deltas(chain, params, tensors)
-        return layerwise_contribution(layout, Payload(payload.step, payload.phase, payload.num_samples, full))
+        return layerwise_terms(layout, Payload(payload.step, payload.phase, payload.num_samples, full))
 
     def decode(self, layout: Layout, messages: Sequence[Payload], model: nn.Module | None = None) -> dict:
         message = messages[-1]

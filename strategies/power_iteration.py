@@ -220,6 +220,8 @@ def _subspace_iteration(
     for _ in range(iterations):
         U, _ = torch.linalg.qr(times(Q))  # (G, m, r)
         Q, R = torch.linalg.qr(transposed_times(U))  # (G, k, r), (G, r, r)
+    if not bool(torch.isfinite(R).all()):  # finite factors whose products overflow: the SVD would raise LinAlgError
+        raise ValueError("power_iteration: the products of the factors are not finite (they overflow their float type)")
     # Rayleigh–Ritz: Uᵀ M = Rᵀ Qᵀ; the SVD of the small Rᵀ orders the components.
     Ur, S, Vh = torch.linalg.svd(R.transpose(1, 2))
     P = torch.bmm(U, Ur) * S.unsqueeze(1)
@@ -267,19 +269,24 @@ def factor_singular_values(P: torch.Tensor, Q: torch.Tensor) -> torch.Tensor:
     P = Qp Rp and Q = Qq Rq (thin QR) give P Qᵀ = Qp (Rp Rqᵀ) Qqᵀ, so the singular
     values are those of the r × r matrix Rp Rqᵀ; the m × k product is never formed.
     """
+    dtype = torch.float32 if P.dtype in LOW_PRECISION else P.dtype
+    return _singular_values(P, Q).to(dtype)
+
+
+def _singular_values(P: torch.Tensor, Q: torch.Tensor) -> torch.Tensor:
+    """``factor_singular_values`` in float64: finite factors near the float32 limit have an
+    r × r product that overflows float32 (and the SVD would raise LinAlgError on it)."""
     if P.dim() == 2:
         P, Q = P.unsqueeze(0), Q.unsqueeze(0)
-    if P.dtype in LOW_PRECISION:
-        P, Q = P.float(), Q.float()
-    Rp = torch.linalg.qr(P, mode="r").R
-    Rq = torch.linalg.qr(Q, mode="r").R
+    Rp = torch.linalg.qr(P.double(), mode="r").R
+    Rq = torch.linalg.qr(Q.double(), mode="r").R
     return torch.linalg.svdvals(torch.bmm(Rp, Rq.transpose(1, 2)))
 
 
 def effective_rank(P: torch.Tensor, Q: torch.Tensor, rtol: float = 1e-3) -> int:
     """Components of P Qᵀ with σ > rtol·σ_max, summed over groups (the rank of the
     block-diagonal map a grouped layer applies)."""
-    S = factor_singular_values(P, Q)
+    S = _singular_values(P, Q)
     top = S.max(dim=-1, keepdim=True).values
     return int(((S > rtol * top) & (top > 0)).sum())
 

@@ -56,7 +56,6 @@ for r < rank(M): the error memory carries what was left out into later steps.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -80,7 +79,8 @@ from .base import (
     tensors_under,
     with_prefix,
 )
-from .checks import Form, Spec, Unit, sq_norm
+from .checks import Form, Spec, Unit
+from .gram import Dense
 from .layout import Layout
 from .power_iteration import thin_product
 from .quantize import FULL_PRECISION, check_factor_bits, factor_entries, quantized_specs, unpack
@@ -406,20 +406,32 @@ class PowerSGD(Strategy):
             units.append(Unit(matrix.name, (Form(f"{role} factor", specs),)))
         return units
 
-    def contribution(self, layout: Layout, payload: Payload, messages_so_far, model=None) -> dict[str, float]:
-        """Mean units: dense gradients / n_s and P_s (phase 0); Q_s (phase 1), whose norm is
-        that of P̂ Q_sᵀ since P̂ has orthonormal columns."""
+    def terms(self, layout: Layout, payload: Payload, messages_so_far, model=None) -> tuple[dict, dict]:
+        """Mean units: dense gradients / n_s and P_s (phase 0); Q_s (phase 1). P_s = M_s Q and
+        Q_s = M_sᵀ P̂ project on one orthonormal basis shared by every site, so inner products
+        of the projected updates are those of P_s (of Q_s): Dense terms."""
         payload = unpack(payload)
-        update = buffers = 0.0
+        w = 1.0 / payload.num_samples
+        update, buffers = {}, {}
         for key, tensor in payload.tensors.items():
-            role = split_key(key)[1]
+            name, role = split_key(key)
             if role == GRAD_ROLE:
-                update += sq_norm(tensor) / payload.num_samples**2
+                update[name] = [Dense(tensor, w)]
             elif role == BUFFER_ROLE and tensor.is_floating_point():
-                buffers += sq_norm(tensor) / payload.num_samples**2
+                buffers[name] = [Dense(tensor, w)]
             elif role in ("P", "Q"):
-                update += sq_norm(tensor)
-        return {"update": math.sqrt(update), "buffers": math.sqrt(buffers)}
+                update[name] = [Dense(tensor)]
+        return update, buffers
+
+    @property
+    def uploads_agree(self) -> bool:
+        """Not with error feedback: each P_s, Q_s carries its site's memory e_s = M_s − P̂ Qᵀ,
+        and those memories pull apart by construction (digits-mlp, 4 honest sites: the median
+        cosine of a site's P_s with the others' was ≤ 0 at 67% of (site, step) pairs)."""
+        return not self.use_error_feedback
+
+    # P_s in phase 0, Q_s in phase 1: the update P̂ Qᵀ is linear in each site's Q_s.
+    SCALED_ROLES = frozenset({GRAD_ROLE, "P", "P_scale", "Q", "Q_scale"})
 
     def decode(self, layout: Layout, messages: Sequence[Payload], model=None) -> dict[str, torch.Tensor]:
         return decode_powersgd(plan(layout, self.rank, self.min_compression_rate), [unpack(m) for m in messages])

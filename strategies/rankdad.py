@@ -211,7 +211,7 @@ from .base import (
     tensors_under,
     with_prefix,
 )
-from .checks import RANK, Form, Spec, Unit, all_finite, layerwise_contribution
+from .checks import RANK, Form, Spec, Unit, all_finite, layerwise_terms
 from .layout import CapturedLayer, Layout
 from .power_iteration import Lookups, LowRank, dense_power_iteration, effective_rank, make_generator, power_iteration, reduce_sum
 from .quantize import FULL_PRECISION, Quantized, check_factor_bits, factor_entries, quantize, quantized_specs, unpack
@@ -657,11 +657,11 @@ class RankDAD(Strategy):
             units.append(Unit(target.key, forms))
         return units
 
-    def contribution(self, layout: Layout, payload: Payload, messages_so_far, model=None) -> dict[str, float]:
-        """As the layer-wise measure, over every compressed matrix's factors (P in sum units)."""
+    def terms(self, layout: Layout, payload: Payload, messages_so_far, model=None) -> tuple[dict, dict]:
+        """As the layer-wise terms, with every compressed matrix's factors (P in sum units)."""
         payload = unpack(payload)
-        pairs = [f for target in self.plan(layout).matrices if (f := target.read(payload))]
-        return layerwise_contribution(layout, payload, low_rank=pairs)
+        pairs = {target.key: f for target in self.plan(layout).matrices if (f := target.read(payload))}
+        return layerwise_terms(layout, payload, low_rank=pairs)
 
     def describe(self, layout: Layout, messages: Sequence[Payload]) -> dict[str, float]:
         """``rank/<name>``: effective rank of each factored matrix's decoded update

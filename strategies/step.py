@@ -46,9 +46,12 @@ class Traffic:
 
 
 def exchange(
-    sites: Sequence[SiteHalf], server: ServerHalf, locals_: Sequence[LocalResult], step: int
+    sites: Sequence[SiteHalf], server: ServerHalf, locals_: Sequence[LocalResult], step: int,
+    weigh: Callable[[list[Payload], list[Payload]], list[Payload]] | None = None,
 ) -> tuple[list[Payload], Traffic]:
-    """Run every phase of one step; return the server's messages and the bytes moved."""
+    """Run every phase of one step; return the server's messages and the bytes moved.
+    ``weigh(payloads, messages so far)``: what the server aggregates instead of the uploads
+    (the coordinator's robust weights, ``Screening.weigh``)."""
     traffic = Traffic()
     payloads = [site.begin(local, step) for site, local in zip(sites, locals_)]
     messages = []
@@ -56,7 +59,7 @@ def exchange(
         traffic.up.append([p.nbytes() for p in payloads])
         for p in payloads:
             _accumulate(traffic.up_by_layer, p.nbytes_by_layer())
-        message = server.aggregate(payloads)
+        message = server.aggregate(weigh(payloads, messages) if weigh else payloads)
         messages.append(message)
         traffic.down.append(message.nbytes())
         _accumulate(traffic.down_by_layer, message.nbytes_by_layer())

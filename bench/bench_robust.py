@@ -1,0 +1,203 @@
+"""Bounded influence against an adaptive site (a benchmark, not a test).
+
+    nice -n 10 python -m bench.bench_robust [--steps 150] [--seeds 0] [--out bench-robust.json]
+
+digits-mlp, 4 IID sites (3 honest + 1 attacker), batch 32 per site, SGD 0.1. Each step runs
+in one process what the gRPC coordinator runs between the uploads and the message
+(``server/screening.py``: the strategy's checks, the influence bound ``max_influence_ratio``
+= 100, then the robust rule's weights, the aggregation, the message as sites decode it):
+the sites' halves, the coordinator's screening and every replica are the real ones, only
+the bytes do not cross a socket. The attacker computes its genuine upload each phase and
+then attacks the gradient-carrying tensors (dense gradients, Δ, lookups' Δ rows, P, and
+PowerSGD's Q):
+
+- ``x50``: × 50, every phase; ``flip20``: × −20;
+- ``under``: scaled to 0.99 × the influence bound (100 × the others' median norm), the
+  largest the refusal rule accepts; ``under-flip``: the same, sign flipped;
+- ``drift``: a constant tensor (drawn once per key, 10% of the first upload's mean |entry|)
+  added every phase.
+
+A refused upload drops the attacker for the rest of that step (it rejoins the next, as a
+dropped site does); a step whose message fails is aborted (nothing applied). Reported per
+strategy and attack: final test accuracy, that of the 3 honest sites alone (``clean``),
+the attacker's refusals, the fraction of steps where the attacker's factor was below 1,
+honest refusals, the fraction of honest (site, step) pairs with a factor below 1, and the
+fractions of steps where some honest site was clipped, or zeroed by the agreement rule.
+The ``clean4`` row is 4 honest sites (the 4th counted as the attacker's column): the
+clean runs' rates.
+``--clip-ratio``/``--no-agreement`` change the rule; ``--off`` runs without it (the table
+before).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+from dadfl.replica import OptimizerConfig, Replica
+from dadfl.server.screening import Screening
+from dadfl.strategies import make_strategy
+from dadfl.strategies.base import split_key
+from dadfl.strategies.checks import medians_of_the_others
+from dadfl.strategies.robust import DEFAULT_CLIP_RATIO
+from dadfl.workloads import load_workload, partition, site_batches
+
+STRATEGIES = {
+    "dsgd": ("dsgd", {}),
+    "dad": ("dad", {}),
+    "auto": ("auto", {}),
+    "rankdad r=2": ("rankdad", {"rank": 2}),
+    "powersgd r=2": ("powersgd", {"rank": 2}),
+    "fedavg H=4": ("fedavg", {"local_steps": 4}),
+}
+ATTACKS = ("clean4", "x50", "flip20", "under", "under-flip", "drift")
+SITES, BATCH, LR, MAX_RATIO = 4, 32, 0.1, 100.0
+ATTACKER = SITES - 1
+
+
+def attacked(payload, roles, change):
+    tensors = {k: change(k, t) if split_key(k)[1] in roles and t.is_floating_point() else t for k, t in payload.tensors.items()}
+    return type(payload)(payload.step, payload.phase, payload.num_samples, tensors)
+
+
+class Attacker:
+    def __init__(self, kind: str, strategy, screening: Screening):
+        self.kind, self.strategy, self.screening = kind, strategy, screening
+        self.roles = {"grad", "D", "rows", "P"} | ({"Q"} if strategy.name == "powersgd" else set())
+        self.drift: dict[str, torch.Tensor] = {}
+
+    def __call__(self, payloads: list, messages: list) -> list:
+        genuine = payloads[ATTACKER]
+        if self.kind == "x50":
+            bad = attacked(genuine, self.roles, lambda k, t: t * 50)
+        elif self.kind == "flip20":
+            bad = attacked(genuine, self.roles, lambda k, t: t * -20)
+        elif self.kind in ("under", "under-flip"):
+            layout, model = self.screening.replica.layout, self.screening.replica.model
+            norms = [self.strategy.contribution(layout, p, messages, model)["update"] for p in payloads]
+            bound = 0.99 * MAX_RATIO * medians_of_the_others(norms)[ATTACKER]
+            factor = bound / norms[ATTACKER] if norms[ATTACKER] else 1.0
+            factor = -factor if self.kind == "under-flip" else factor
+            bad = attacked(genuine, self.roles, lambda k, t: t * factor)
+        elif self.kind == "drift":
+            def add(key, tensor):
+                if key not in self.drift or self.drift[key].shape != tensor.shape:
+                    generator = torch.Generator().manual_seed(len(self.drift))
+                    self.drift[key] = 0.1 * float(tensor.abs().mean()) * torch.randn(tensor.shape, generator=generator).sign()
+                return tensor + self.drift[key].to(tensor.dtype)
+            bad = attacked(genuine, self.roles, add)
+        else:
+            bad = genuine
+        return [*payloads[:ATTACKER], bad]
+
+
+def run(label: str, attack: str, steps: int, seed: int, clip_ratio: float | None, agreement: bool, honest_only: bool = False) -> dict:
+    name, options = STRATEGIES[label]
+    torch.manual_seed(seed)
+    workload = load_workload("digits-mlp")
+    strategy = make_strategy(name, **options)
+    train = workload.training_data()
+    indices = partition(SITES, len(train), "iid", labels=workload.labels, seed=seed)
+    count = SITES - 1 if honest_only else SITES
+    batches = [site_batches(train, index, BATCH, seed=seed + s) for s, index in enumerate(indices[:count])]
+    optimizer = OptimizerConfig(name="sgd", lr=LR)
+    coordinator = Replica(workload, strategy, optimizer, "cpu")
+    sites = [Replica(workload, strategy, optimizer, "cpu") for _ in range(count)]
+    for site in sites:
+        site.load_weights_from(coordinator)
+    screening = Screening(coordinator, MAX_RATIO, None, clip_ratio=clip_ratio, agreement=agreement)
+    attacker = Attacker(attack if not honest_only else "clean4", strategy, screening)
+    server = strategy.server(coordinator.layout, coordinator.model)
+    refused_attacker = refused_honest = aborted = 0
+    attacker_weighed = honest_weighed = honest_clipped = honest_zeroed = 0
+    error = None
+    try:
+        for step in range(steps):
+            locals_ = [site.work(batch.at, step) for site, batch in zip(sites, batches)]
+            payloads = [site.half.begin(local, step) for site, local in zip(sites, locals_)]
+            active, messages, start = list(range(count)), [], server.state_dict()
+            while True:
+                if ATTACKER in active and not honest_only:
+                    payloads = attacker([payloads[i] for i in range(count)], messages)
+                screened = [payloads[i] for i in active]
+                refused = screening.refusals(step, len(messages), screened, messages)
+                refused_attacker += sum(active[i] == ATTACKER and not honest_only for i in refused)
+                refused_honest += sum(active[i] != ATTACKER or honest_only for i in refused)
+                active = [i for k, i in enumerate(active) if k not in refused]
+                try:
+                    _, sent, _ = screening.message(server, [payloads[i] for i in active], messages)
+                except Exception:
+                    server.load_state_dict(start)
+                    aborted += 1
+                    messages = None
+                    break
+                messages.append(sent)
+                replies = [site.half.receive(sent) for site in sites]
+                if all(r is None for r in replies):
+                    break
+                payloads = replies
+            if messages is None:
+                continue  # as an aborted step: every replica keeps its weights
+            weighed = screening.weighed if screening.weighed.get("step") == step else {}
+            factors = weighed.get("factors", [1.0] * len(active))
+            honest_sites = [k for k, i in enumerate(active) if i != ATTACKER or honest_only]
+            attacker_weighed += any(f < 1.0 for k, f in enumerate(factors) if k not in honest_sites)
+            honest_weighed += sum(factors[k] < 1.0 for k in honest_sites)
+            honest_clipped += any(k in honest_sites for k in weighed.get("clipped", ()))
+            honest_zeroed += any(k in honest_sites for k in weighed.get("disagreeing", ()))
+            fingerprints = {replica.apply(messages) for replica in [*sites, coordinator]}
+            if len(fingerprints) != 1:
+                raise RuntimeError(f"replicas differ after step {step}")
+    except Exception as exc:  # what the issue's "before" table records: the run stops
+        error = f"{type(exc).__name__}: {str(exc)[:120]}"
+    accuracy = coordinator.evaluate()[workload.metric_name]
+    honest = count if honest_only else count - 1
+    return {
+        "strategy": label, "attack": attack, "seed": seed, "accuracy": accuracy if math.isfinite(accuracy) else float("nan"),
+        "error": error, "aborted": aborted, "refused_attacker": refused_attacker, "refused_honest": refused_honest,
+        "attacker_weighed": attacker_weighed / steps, "honest_weighed": honest_weighed / (steps * honest),
+        "steps_honest_clipped": honest_clipped / steps, "steps_honest_zeroed": honest_zeroed / steps,
+    }
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
+    parser.add_argument("--attacks", nargs="+", default=list(ATTACKS), choices=list(ATTACKS))
+    parser.add_argument("--clip-ratio", type=float, default=DEFAULT_CLIP_RATIO)
+    parser.add_argument("--no-agreement", action="store_true")
+    parser.add_argument("--off", action="store_true", help="no robust rule: only the refusals (the table before)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    clip, agreement = (None, False) if args.off else (args.clip_ratio, not args.no_agreement)
+    torch.set_num_threads(1)
+    rows = []
+    for label in args.strategies:
+        for seed in args.seeds:
+            clean = run(label, "clean", args.steps, seed, clip, agreement, honest_only=True)
+            for attack in args.attacks:
+                row = run(label, attack, args.steps, seed, clip, agreement)
+                row["clean_accuracy"] = clean["accuracy"]
+                rows.append(row)
+                print(
+                    f"{label:14s} {attack:10s} seed {seed}: acc {row['accuracy']:.3f} (clean {clean['accuracy']:.3f}) "
+                    f"refused attacker {row['refused_attacker']} honest {row['refused_honest']} aborted {row['aborted']} "
+                    f"attacker<1 {row['attacker_weighed']:.2f} honest<1 {row['honest_weighed']:.3f} "
+                    f"steps honest clipped {row['steps_honest_clipped']:.3f} zeroed {row['steps_honest_zeroed']:.3f}"
+                    + (f" STOPPED {row['error']}" if row["error"] else ""),
+                    flush=True,
+                )
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
