@@ -261,29 +261,6 @@ def reduce_sum(
     )
 
 
-def factor_singular_values(P: torch.Tensor, Q: torch.Tensor) -> torch.Tensor:
-    """Singular values of P Qᵀ per group (G, min(r, m, k)), from the factors only.
-
-    P = Qp Rp and Q = Qq Rq (thin QR) give P Qᵀ = Qp (Rp Rqᵀ) Qqᵀ, so the singular
-    values are those of the r × r matrix Rp Rqᵀ; the m × k product is never formed.
-    """
-    if P.dim() == 2:
-        P, Q = P.unsqueeze(0), Q.unsqueeze(0)
-    if P.dtype in LOW_PRECISION:
-        P, Q = P.float(), Q.float()
-    Rp = torch.linalg.qr(P, mode="r").R
-    Rq = torch.linalg.qr(Q, mode="r").R
-    return torch.linalg.svdvals(torch.bmm(Rp, Rq.transpose(1, 2)))
-
-
-def effective_rank(P: torch.Tensor, Q: torch.Tensor, rtol: float = 1e-3) -> int:
-    """Components of P Qᵀ with σ > rtol·σ_max, summed over groups (the rank of the
-    block-diagonal map a grouped layer applies)."""
-    S = factor_singular_values(P, Q)
-    top = S.max(dim=-1, keepdim=True).values
-    return int(((S > rtol * top) & (top > 0)).sum())
-
-
 def _start(
     A: torch.Tensor, groups: int, k: int, r: int, warm_start: torch.Tensor | None, generator: torch.Generator | None
 ) -> torch.Tensor:

@@ -48,6 +48,11 @@ Cost per compressed matrix (floats, r = min(rank, n, m)), two round trips per st
     down = r·(n + m)   (P̂, then Q)
 Dense tensors: numel both ways, in phase 0. Warm-up steps: dSGD's cost, one phase.
 
+Raw input (``raw_input``, the policy rank-dAD follows, ``base.low_rank_allowed``): with
+"low_rank" (the default) or "activations" every matrix is compressed as above; with
+"dense" the weights of layers that read the model's raw input, and every parameter the
+layout cannot place (uncovered), travel dense instead.
+
 Reveals: to the server, each site's projections M_s Q and M_sᵀ P̂ of its gradient
 (plus error memory): a rank-r view of its gradient and everything dense (biases)
 exactly. Sites see P̂ and the aggregated Q, i.e. the rank-r mean update. Not exact
@@ -65,15 +70,18 @@ import torch
 
 from .base import (
     BUFFER_ROLE,
+    DEFAULT_RAW_INPUT,
     GRAD_ROLE,
     LocalResult,
     Payload,
     StateDict,
     Stateless,
     Strategy,
+    check_raw_input,
     check_state_keys,
     dense_aggregate,
     dense_upload,
+    low_rank_allowed,
     split_key,
     sum_in_order,
     tensor_key,
@@ -115,11 +123,13 @@ class Plan:
     dense: tuple[str, ...]  # model order
 
 
-def plan(layout: Layout, rank: int, min_compression_rate: float) -> Plan:
-    """The hook's choice per tensor, and its order for drawing the random Q."""
+def plan(layout: Layout, rank: int, min_compression_rate: float, raw_input: str = DEFAULT_RAW_INPUT) -> Plan:
+    """The hook's choice per tensor, and its order for drawing the random Q; a tensor the
+    raw-input policy keeps dense (``low_rank_allowed``, as rank-dAD) is never compressed."""
+    allowed = low_rank_allowed(layout, raw_input)
     matrices, dense = [], []
     for name, shape in zip(layout.params, layout.shapes):
-        if len(shape) > 1:
+        if len(shape) > 1 and name in allowed:
             n = shape[0]
             m = int(np.prod(shape[1:]))
             r = min(rank, n, m)
@@ -222,7 +232,7 @@ class PowerSGDSite:
     def __init__(self, layout: Layout, strategy: "PowerSGD"):
         self.layout = layout
         self.options = strategy
-        self.plan = plan(layout, strategy.rank, strategy.min_compression_rate)
+        self.plan = plan(layout, strategy.rank, strategy.min_compression_rate, strategy.raw_input)
         self.q_source = _QSource(strategy.seed)
         self.errors: dict[str, torch.Tensor] = {}
         self.q_memory: dict[str, torch.Tensor] = {}
@@ -326,7 +336,7 @@ class PowerSGDServer(Stateless):
     def __init__(self, layout: Layout, strategy: "PowerSGD"):
         self.layout = layout
         self.options = strategy
-        self.plan = plan(layout, strategy.rank, strategy.min_compression_rate)
+        self.plan = plan(layout, strategy.rank, strategy.min_compression_rate, strategy.raw_input)
 
     def aggregate(self, payloads: Sequence[Payload]) -> Payload:
         payloads = [unpack(p) for p in payloads]
@@ -363,6 +373,7 @@ class PowerSGD(Strategy):
     orthogonalization_epsilon: float = 0.0
     seed: int = 0
     factor_bits: int = FULL_PRECISION
+    raw_input: str = DEFAULT_RAW_INPUT
     name = "powersgd"
     needs_factors = False
 
@@ -376,6 +387,7 @@ class PowerSGD(Strategy):
         if self.orthogonalization_epsilon < 0:
             raise ValueError(f"powersgd: orthogonalization_epsilon={self.orthogonalization_epsilon} must be >= 0")
         check_factor_bits("powersgd", self.factor_bits, self.use_error_feedback)
+        check_raw_input(self.raw_input)
 
     def compresses(self, step: int) -> bool:
         """Whether ``step`` is compressed (two phases) or a dense warm-up step (one)."""
@@ -392,7 +404,7 @@ class PowerSGD(Strategy):
         P (n × r) per matrix, phase 1 Q (m × r) per matrix, r the plan's rank exactly."""
         if not self.compresses(step):
             return facts.dense_units(layout.params) + facts.buffer_units(layout.buffers) if phase == 0 else None
-        plan_ = plan(layout, self.rank, self.min_compression_rate)
+        plan_ = plan(layout, self.rank, self.min_compression_rate, self.raw_input)
         if phase == 0:
             units = facts.dense_units(plan_.dense) + facts.buffer_units(layout.buffers)
             role, rows = "P", lambda m: m.n
@@ -422,4 +434,4 @@ class PowerSGD(Strategy):
         return {"update": math.sqrt(update), "buffers": math.sqrt(buffers)}
 
     def decode(self, layout: Layout, messages: Sequence[Payload], model=None) -> dict[str, torch.Tensor]:
-        return decode_powersgd(plan(layout, self.rank, self.min_compression_rate), [unpack(m) for m in messages])
+        return decode_powersgd(plan(layout, self.rank, self.min_compression_rate, self.raw_input), [unpack(m) for m in messages])
