@@ -466,9 +466,10 @@ class RankDADSite:
             if factors is not None and weight is None and (bias is None or target.bias is None):
                 weight, bias = layer_gradient(target.layer, factors.tensors(target.key))
             M = target.matrix(weight, bias, 1.0 / n, memory)
-            if M is None:  # this batch did not reach it: a zero gradient, as PowerSGD counts it
-                like = memory if memory is not None else next(iter(local.grads.values()), None)
-                M = with_memory(torch.zeros(shape) if like is None else like.new_zeros(shape), 1.0 / n, memory)
+            if M is None and memory is None:
+                return {}  # no gradient and nothing remembered: nothing to send, and no update if no site sends it
+            if M is None:  # this batch did not reach it: a zero gradient plus the memory
+                M = with_memory(memory.new_zeros(shape), 1.0 / n, memory)
             result, P, Q, residual = compress_dense(M, options.rank, options.error_feedback, n, options.factor_bits,
                                                     generator=state.generators.on(M.device), **passes)
             if residual is not None:
@@ -650,7 +651,7 @@ class RankDAD(Strategy):
                     tensor_key(target.key, "Q"): Spec((target.k, RANK), dtype),
                 }, max_rank=max_rank),)
             forms = tuple(replace(form, tensors=quantized_specs(form.tensors, self.factor_bits)) for form in forms)
-            units.append(Unit(target.key, forms))
+            units.append(Unit(target.key, forms, optional=True))  # absent: no gradient at this site
         return units
 
     def contribution(self, layout: Layout, payload: Payload, messages_so_far, model=None) -> dict[str, float]:
