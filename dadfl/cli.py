@@ -22,7 +22,7 @@ from .failures import set_debug
 from .metrics import MetricsWriter
 from .privacy import EXACT_STRATEGIES
 from .replica import resolve_device
-from .report import human_bytes, write_plots
+from .report import by_strategy, human_bytes, suggested_ranks, write_plots
 from .simulation import SimulationConfig, StrategySpec, run_directory, simulate
 
 app = typer.Typer(
@@ -118,6 +118,12 @@ def sim(
     (run_dir / "summary.json").write_text(json.dumps(summaries, indent=2))
     plots = write_plots(run_dir)
     console.print(summary_table(summaries, specs))
+    for label, records in by_strategy(run_dir / "metrics.jsonl").items():
+        suggested = suggested_ranks(records)
+        if suggested:  # the first factor strategy's: a rank to try per layer
+            console.print(f"{label}: components holding 90% of the summed gradient's energy (median over steps), "
+                          "per layer: " + ", ".join(f"{layer}: {rank}" for layer, rank in suggested.items()), highlight=False)
+            break
     console.print(f"metrics: {run_dir / 'metrics.jsonl'}; plots: {', '.join(p.name for p in plots)}")
 
 

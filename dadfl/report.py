@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from collections import defaultdict
 from pathlib import Path
 
@@ -96,6 +97,29 @@ RANK_CURVES = (
 )
 
 
+def suggested_ranks(records: list[dict], percent: int = 90) -> dict[str, int]:
+    """Per layer, the median over the logged steps of the components holding ``percent``% of
+    the energy of the sites' summed gradient: a rank a rank-r strategy could start from."""
+    series: dict[str, list[float]] = defaultdict(list)
+    for record in records:
+        for key, value in record.items():
+            if key.startswith(f"rank{percent}/") and key.endswith("/sum"):
+                series[key.split("/")[1]].append(value)
+    return {layer: int(statistics.median_low(values)) for layer, values in series.items()}
+
+
+RANK_POINTS = 60  # a rank curve with more steps shows a rolling median over steps // this
+
+
+def _rolling_median(points: list[tuple[int, float]], window: int) -> list[tuple[int, float]]:
+    """Each point's value replaced by the median of the ``window`` points ending at it (the
+    per-step ranks jump by one or two components; the median keeps integers and the trend)."""
+    if window <= 1:
+        return points
+    values = [value for _, value in points]
+    return [(step, statistics.median_low(values[max(0, i - window + 1) : i + 1])) for i, (step, _) in enumerate(points)]
+
+
 def _rank_plot(label: str, records: list[dict], path: Path) -> Path | None:
     """One panel per layer: the rank holding 90% and 99% of the energy of the sites' summed
     gradient, of each site's (thin, 90%) and, for rank-dAD, of the update it sent, per step."""
@@ -105,17 +129,20 @@ def _rank_plot(label: str, records: list[dict], path: Path) -> Path | None:
     columns = min(3, len(layers))
     rows = -(-len(layers) // columns)
     figure, axes = plt.subplots(rows, columns, figsize=(4.5 * columns, 3.4 * rows), squeeze=False)
+    logged = sum(1 for r in records if any(key.startswith("rank90/") for key in r))
+    window = max(1, logged // RANK_POINTS)
+    smoothed = f" (median of {window} steps)" if window > 1 else ""
     for axis, layer in zip(axes.flat, layers):
         sites = sorted({key.rsplit("/", 1)[1] for r in records for key in r if key.startswith(f"rank90/{layer}/site")})
         for index, site in enumerate(sites):
-            points = [(r["step"], r[f"rank90/{layer}/{site}"]) for r in records if f"rank90/{layer}/{site}" in r]
+            points = _rolling_median([(r["step"], r[f"rank90/{layer}/{site}"]) for r in records if f"rank90/{layer}/{site}" in r], window)
             axis.plot(*zip(*points), color="0.6", linewidth=0.7, alpha=0.8, label="each site, 90%" if index == 0 else None)
         for suffix, percent, name, line in RANK_CURVES:
             key = f"rank{percent}/{layer}/{suffix}"
-            points = [(r["step"], r[key]) for r in records if key in r]
+            points = _rolling_median([(r["step"], r[key]) for r in records if key in r], window)
             if points:
                 axis.plot(*zip(*points), label=name, **line)
-        axis.set(title=f"layer {layer}", xlabel="step", ylabel="components")
+        axis.set(title=f"layer {layer}", xlabel="step", ylabel=f"components{smoothed}")
         axis.set_ylim(bottom=0)
         axis.yaxis.get_major_locator().set_params(integer=True)
         axis.grid(alpha=0.3)

@@ -113,6 +113,8 @@ class SimulationConfig(StrictModel):
     optimizer: OptimizerConfig = OptimizerConfig(name="sgd", lr=0.1, momentum=0.9)
     strategies: list[StrategySpec] = Field(default_factory=lambda: list(DEMO_STRATEGIES))
 
+    rank_every: int = Field(1, ge=0, description="read the effective rank of each site's gradient and of their sum off the factors "
+                            "every this many steps (strategies/introspect.py; factor strategies); 0: never")
     dp: DPConfig | None = Field(None, description="sample-level differential privacy (docs/privacy.md); off when absent")
 
     @field_validator("strategies")
@@ -177,6 +179,9 @@ def _simulate(config: SimulationConfig, spec: StrategySpec, metrics: MetricsWrit
     server = strategy.server(coordinator.layout, coordinator.model)
     has_test = workload.test is not None and len(workload.test) > 0
 
+    def introspects(step: int) -> bool:  # not under DP: its records would carry more than ε accounts for
+        return budget is None and config.rank_every > 0 and step % config.rank_every == 0
+
     records: list[dict[str, Any]] = []
     for step in range(config.steps):
         if step + 1 > last_step:
@@ -211,7 +216,7 @@ def _simulate(config: SimulationConfig, spec: StrategySpec, metrics: MetricsWrit
             "seconds": elapsed,
             "fingerprint": fingerprints.pop(),
             **(strategy.describe(coordinator.layout, messages) if budget is None else {}),
-            **(gradient_ranks(coordinator.layout, [local.factors for local in locals_]) if budget is None else {}),
+            **(gradient_ranks(coordinator.layout, [local.factors for local in locals_]) if introspects(step) else {}),
         }
         evaluates = is_eval_step(step, config.eval_every, config.steps) or step + 1 == last_step  # the model released
         if budget is not None and evaluates:  # the last step is an eval step (is_eval_step)
