@@ -113,8 +113,9 @@ class SimulationConfig(StrictModel):
     optimizer: OptimizerConfig = OptimizerConfig(name="sgd", lr=0.1, momentum=0.9)
     strategies: list[StrategySpec] = Field(default_factory=lambda: list(DEMO_STRATEGIES))
 
-    rank_every: int = Field(1, ge=0, description="read the effective rank of each site's gradient and of their sum off the factors "
-                            "every this many steps (strategies/introspect.py; factor strategies); 0: never")
+    rank_every: int = Field(5, ge=0, description="read the effective rank of each site's gradient and of their sum off the factors "
+                            "every this many steps (strategies/introspect.py; factor strategies; each reading costs about "
+                            "what the sites' forward/backward passes cost on the digits MLP); 0: never")
     dp: DPConfig | None = Field(None, description="sample-level differential privacy (docs/privacy.md); off when absent")
 
     @field_validator("strategies")
