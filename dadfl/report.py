@@ -108,12 +108,14 @@ def suggested_ranks(records: list[dict], percent: int = 90) -> dict[str, int]:
     return {layer: int(statistics.median_low(values)) for layer, values in series.items()}
 
 
-RANK_POINTS = 60  # a rank curve with more steps shows a rolling median over steps // this
+RANK_POINTS = 60  # a rank curve with more readings shows a rolling median over readings // this
 
 
-def _rolling_median(points: list[tuple[int, float]], window: int) -> list[tuple[int, float]]:
-    """Each point's value replaced by the median of the ``window`` points ending at it (the
-    per-step ranks jump by one or two components; the median keeps integers and the trend)."""
+def _rolling_median(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """Past ``RANK_POINTS`` readings, each value replaced by the median of the readings // 60
+    ending at it (ranks read every step jump by a component or two; the median keeps
+    integers and the trend)."""
+    window = len(points) // RANK_POINTS
     if window <= 1:
         return points
     values = [value for _, value in points]
@@ -129,27 +131,25 @@ def _rank_plot(label: str, records: list[dict], path: Path) -> Path | None:
     columns = min(3, len(layers))
     rows = -(-len(layers) // columns)
     figure, axes = plt.subplots(rows, columns, figsize=(4.5 * columns, 3.4 * rows), squeeze=False)
-    logged = sum(1 for r in records if any(key.startswith("rank90/") for key in r))
-    window = max(1, logged // RANK_POINTS)
-    smoothed = f" (median of {window} steps)" if window > 1 else ""
     for axis, layer in zip(axes.flat, layers):
         sites = sorted({key.rsplit("/", 1)[1] for r in records for key in r if key.startswith(f"rank90/{layer}/site")})
         for index, site in enumerate(sites):
-            points = _rolling_median([(r["step"], r[f"rank90/{layer}/{site}"]) for r in records if f"rank90/{layer}/{site}" in r], window)
+            points = _rolling_median([(r["step"], r[f"rank90/{layer}/{site}"]) for r in records if f"rank90/{layer}/{site}" in r])
             axis.plot(*zip(*points), color="0.6", linewidth=0.7, alpha=0.8, label="each site, 90%" if index == 0 else None)
         for suffix, percent, name, line in RANK_CURVES:
             key = f"rank{percent}/{layer}/{suffix}"
-            points = _rolling_median([(r["step"], r[key]) for r in records if key in r], window)
+            points = _rolling_median([(r["step"], r[key]) for r in records if key in r])
             if points:
                 axis.plot(*zip(*points), label=name, **line)
-        axis.set(title=f"layer {layer}", xlabel="step", ylabel=f"components{smoothed}")
+        axis.set(title=f"layer {layer}", xlabel="step", ylabel="components")
         axis.set_ylim(bottom=0)
         axis.yaxis.get_major_locator().set_params(integer=True)
         axis.grid(alpha=0.3)
     for axis in list(axes.flat)[len(layers):]:
         axis.set_visible(False)
     axes.flat[0].legend(fontsize=7)
-    figure.suptitle(f"{label}: gradient components holding 90% / 99% of the energy, per layer")
+    figure.suptitle(f"{label}: gradient components holding 90% / 99% of the energy, per layer "
+                    f"(over {RANK_POINTS} readings: a rolling median)")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
