@@ -70,7 +70,11 @@ def load_run(summary_path: Path) -> Run:
         downs.append(record["bytes_down"])
         seconds.append(record["seconds"])
         for name, value in record.items():
-            if name.startswith("rank/"):
+            # rank-dAD's update: the components holding 99% of its energy (``rank99/<layer>/update``);
+            # runs recorded before that key logged the components above 1e-3 of the largest (``rank/<layer>``).
+            if name.startswith("rank99/") and name.endswith("/update"):
+                ranks[name[len("rank99/"):-len("/update")]].append(value)
+            elif name.startswith("rank/"):
                 ranks[name[len("rank/"):]].append(value)
         if key in record:
             eval_steps.append(record["step"] + 1)

@@ -84,7 +84,7 @@ class Breakdown:
     def low_rank(self, rank: int, raw_input_dense: bool = False) -> int:
         """Floats per site per direction of a rank-``rank`` factorisation of every captured
         weight and uncovered matrix (the raw-input layer, and the uncovered matrices, dense
-        when ``raw_input_dense``: rank-dAD's default privacy policy)."""
+        when ``raw_input_dense``: the ``raw_input="dense"`` privacy policy)."""
         weights = sum(
             layer.weight + layer.bias if (raw_input_dense and layer.raw_input) else layer.factors(rank)
             for layer in self.layers

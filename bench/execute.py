@@ -50,6 +50,7 @@ def simulation_config(cell: Cell) -> SimulationConfig:
         device="cpu",
         optimizer=setting.optimizer,
         strategies=[cell.strategy],
+        rank_every=0,  # the matrix plots the update's rank (``describe``); per-site ranks would cost its larger models seconds per step
     )
 
 

@@ -465,9 +465,9 @@ def write_report(
         "Splits: `iid` is a seeded shuffle; `dirichlet` is label skew with Dirichlet(0.5) class shares per site. The",
         "character workloads have no classes, so `bench.workloads` labels each training window with the section",
         "(one tenth, in corpus order) of the Python help text it comes from: their Dirichlet split is topic skew.",
-        "rank-dAD runs with `raw_input=\"low_rank\"` (the raw-input layer and the uncovered matrices also travel as",
-        "rank-r factors, as every matrix does under PowerSGD; the default `\"dense\"` keeps them dense gradients — its",
-        "cost is in the bound table), with its defaults: error feedback at the sites and on the server's re-reduction",
+        "rank-dAD and PowerSGD run with `raw_input=\"low_rank\"`, their default (the raw-input layer and the uncovered",
+        "matrices also travel as rank-r factors, as every matrix does; `\"dense\"` keeps them dense gradients in both —",
+        "its cost is in the bound table); rank-dAD with its defaults: error feedback at the sites and on the server's re-reduction",
         "to rank r, 2 power-iteration passes started from the Q̂ of the last downlink (the same at every site; rows",
         "labelled *no EF* turn error feedback off); PowerSGD",
         "runs with error feedback and warm start from step 0 (`start_iter=0`: dense warm-up steps would cost it",
@@ -527,8 +527,8 @@ def write_report(
         "and, as r → 0, ratio ≤ Σ parameters / always-dense. A model whose always-dense share is over 1% cannot",
         "reach 100× at any rank: that is why the benchmark sizes a wide MLP (hidden 1024: the 1024×1024 matrix",
         "dominates) and a 3.5M-parameter transformer (d_model 384), where LayerNorms are under 1%.",
-        "With the default `raw_input=\"dense\"`, the raw-input layer (the MLP's 64 × hidden) and the uncovered",
-        "matrices travel dense in rank-dAD: the *raw input dense* column.",
+        "With `raw_input=\"dense\"`, the raw-input layer (the MLP's 64 × hidden) and the uncovered matrices",
+        "travel dense in rank-dAD and PowerSGD: the *raw input dense* column.",
         "",
     ]
     lines += table(
@@ -600,7 +600,8 @@ def write_report(
         if label:
             lines += [
                 f"Effective rank per layer of the decoded update over training ({label}: up to sites × r components;",
-                "components above 1e-3 of the largest singular value):",
+                "the components holding 99% of its energy, Σσ²; runs recorded before that measure: those above 1e-3 of",
+                "the largest singular value):",
                 "",
                 f"![{s['key']}: effective rank per layer]({os.path.relpath(rank_image, docs)})",
                 "",

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -21,7 +22,7 @@ from .failures import set_debug
 from .metrics import MetricsWriter
 from .privacy import EXACT_STRATEGIES
 from .replica import resolve_device
-from .report import human_bytes, write_plots
+from .report import by_strategy, human_bytes, suggested_ranks, write_plots
 from .simulation import SimulationConfig, StrategySpec, run_directory, simulate
 
 app = typer.Typer(
@@ -118,7 +119,13 @@ def sim(
             summaries.append(runners[mode](settings, spec, metrics, lambda _: bar.advance(task)))
     (run_dir / "summary.json").write_text(json.dumps(summaries, indent=2))
     plots = write_plots(run_dir)
-    console.print(summary_table(summaries))
+    console.print(summary_table(summaries, specs))
+    for label, records in by_strategy(run_dir / "metrics.jsonl").items():
+        suggested = suggested_ranks(records)
+        if suggested:  # the first factor strategy's: a rank to try per layer
+            console.print(f"{label}: components holding 90% of the summed gradient's energy (median over steps), "
+                          "per layer: " + ", ".join(f"{layer}: {rank}" for layer, rank in suggested.items()), highlight=False)
+            break
     console.print(f"metrics: {run_dir / 'metrics.jsonl'}; plots: {', '.join(p.name for p in plots)}")
 
 
@@ -158,22 +165,32 @@ def _applicable(settings: SimulationConfig, explicit: bool) -> list[StrategySpec
     return chosen
 
 
-def summary_table(summaries: list[dict]) -> Table:
+# A strategy name longer than this gets a numbered short name and a legend line, so the table
+# fits an 80-column terminal instead of wrapping the name letter by letter.
+NAME_WIDTH = 20
+
+
+def summary_table(summaries: list[dict], specs: list[StrategySpec] = ()) -> Table:
+    """One row per strategy; the caption says what each sends of the raw-input layer (the
+    comparison's exposure, from ``specs``) and spells out names too long for the column."""
     metric = summaries[0]["metric_name"] if summaries else "metric"
     steps = summaries[0]["steps"] if summaries else 0
     table = Table(
-        title=f"After {steps} steps: {metric} and loss on the held-out test set; "
-        "payload bytes per step (all sites together) and milliseconds per step"
+        title=f"After {steps} steps: held-out {metric} and loss; payload bytes per step "
+        "(all sites) up and down; ms per step",
+        box=box.SIMPLE_HEAD, pad_edge=False, caption_justify="left",
     )
     private = any("dp_epsilon" in s for s in summaries)
     for column in ("strategy", metric, "test loss", "up", "down", "ms/step") + (("ε",) if private else ()):
-        if column == "strategy":
-            table.add_column(column, overflow="fold")
-        else:
-            table.add_column(column, justify="right", no_wrap=True)
+        table.add_column(column, justify="left" if column == "strategy" else "right", no_wrap=True)
+    legend = []
     for s in summaries:
+        name = s["strategy"]
+        if len(name) > NAME_WIDTH:
+            legend.append(f"[{len(legend) + 1}] {name}")
+            name = f"{name[: NAME_WIDTH - 5]}… [{len(legend)}]"
         table.add_row(
-            s["strategy"],
+            name,
             f"{s['metric']:.4f}",
             f"{s['test_loss']:.4f}",
             human_bytes(s["bytes_up_per_step"]),
@@ -181,6 +198,11 @@ def summary_table(summaries: list[dict]) -> Table:
             f"{s['seconds_per_step'] * 1000:.1f}",
             *((f"{s['dp_epsilon']:.3g}" if "dp_epsilon" in s else "-",) if private else ()),
         )
+    exposure: dict[str, list[str]] = {}
+    for spec in specs:
+        exposure.setdefault(spec.raw_input_exposure(), []).append(spec.display)
+    lines = [f"Raw-input layer sent as {kind}: {', '.join(names)}." for kind, names in exposure.items()]
+    table.caption = "\n".join(escape(line) for line in lines + legend) or None
     return table
 
 

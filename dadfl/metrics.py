@@ -4,8 +4,13 @@ Keys of a step record: ``strategy``, ``step``, ``sites``, ``samples`` (N),
 ``train_loss`` (mean over the step's samples), ``bytes_up`` and ``bytes_down`` (exact
 payload bytes summed over all sites; down counts every site's copy), ``seconds``,
 ``fingerprint`` (weights after the step), and optionally ``test_loss``,
-``test_<metric>``, ``rank/<layer>`` and ``wire_bytes_up``/``wire_bytes_down``
-(bytes measured on the network, framing included). In the networked runtime a step's
+``test_<metric>``, the effective ranks and ``wire_bytes_up``/``wire_bytes_down``
+(bytes measured on the network, framing included). Effective ranks
+(``strategies/introspect.py``): ``rank90/<layer>/<part>`` and ``rank99/…``, the number of
+leading components holding 90% / 99% of the energy (Σσ²) of a layer's gradient, ``<part>``
+``site<s>`` (site s's gradient Δ_sᵀA_s), ``sum`` (their sum) — from the sites' factors, in
+the in-process simulation with a factor strategy — or ``update`` (the rank-r update rank-dAD
+sent, in every runtime). In the networked runtime a step's
 ``wire_bytes_up_by_site`` is every message the site sent for that step, its ``step_done``
 included even when it rides in the next step's first upload chunk (``previous_done``: those
 bytes count towards the done's step, the rest of that message towards the next step);
@@ -18,6 +23,9 @@ import json
 import math
 from pathlib import Path
 from typing import Iterable, Iterator
+
+
+RANK_PREFIXES = ("rank90/", "rank99/")  # the effective-rank keys
 
 
 class MetricsWriter:

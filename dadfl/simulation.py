@@ -19,6 +19,7 @@ import torch
 from pydantic import Field, ValidationInfo, field_validator
 
 from dadfl.strategies import exchange, make_strategy
+from dadfl.strategies.introspect import gradient_ranks
 from dadfl.workloads import load_workload, partition, site_batches
 from dadfl.workloads.batches import PoissonBatches, SplitDataset
 
@@ -46,6 +47,16 @@ class StrategySpec(StrictModel):
         suffix = ",".join(f"{k}={v}" for k, v in sorted(self.options.items()))
         return f"{self.name}({suffix})" if suffix else self.name
 
+    def raw_input_exposure(self) -> str:
+        """What this strategy sends the coordinator of a layer that reads the raw input."""
+        strategy = make_strategy(self.name, **self.options)
+        policy = getattr(strategy, "raw_input", None)
+        if self.name in ("fedavg", "diloco"):
+            return "part of a model delta"
+        if self.name in ("rankdad", "powersgd"):  # A and Δ never leave a site: "activations" allows factors
+            return "its dense gradient" if policy == "dense" else "a rank-r projection of its gradient"
+        return "raw activations" if policy == "activations" else "its dense gradient"
+
     @classmethod
     def parse(cls, text: str) -> "StrategySpec":
         """``"rankdad:rank=4,reduce_on_server=true"`` -> name and typed options."""
@@ -70,6 +81,24 @@ def _parse_value(value: str) -> Any:
     return value
 
 
+# The demo's comparison, at equal exposure: no raw input leaves a site (dad, auto and edad send
+# the raw-input layer's dense gradient), rank-dAD and PowerSGD send the same rank-r projection of
+# every layer's gradient (the one raw-input policy, ``raw_input="low_rank"``), as floats and as
+# the 8-bit codes the benchmarks recommend; PowerSGD compresses from step 0, as benchmarked.
+DEMO_RANK = 4
+DEMO_STRATEGIES = (
+    StrategySpec(name="dsgd", label="dSGD"),
+    StrategySpec(name="dad", label="dAD"),
+    StrategySpec(name="auto", label="auto"),
+    StrategySpec(name="edad", label="edAD"),
+    StrategySpec(name="rankdad", options={"rank": DEMO_RANK}, label=f"rank-dAD r={DEMO_RANK}"),
+    StrategySpec(name="rankdad", options={"rank": DEMO_RANK, "factor_bits": 8}, label=f"rank-dAD r={DEMO_RANK} 8-bit"),
+    StrategySpec(name="powersgd", options={"rank": DEMO_RANK, "start_iter": 0}, label=f"PowerSGD r={DEMO_RANK}"),
+    StrategySpec(name="powersgd", options={"rank": DEMO_RANK, "start_iter": 0, "factor_bits": 8},
+                 label=f"PowerSGD r={DEMO_RANK} 8-bit"),
+)
+
+
 class SimulationConfig(StrictModel):
     workload: str = "digits-mlp"
     workload_options: dict[str, Any] = Field(default_factory=dict)
@@ -85,22 +114,16 @@ class SimulationConfig(StrictModel):
     threads: int = Field(1, ge=1, description="torch CPU threads; sites run one after another, and small models run fastest on one")
     precision: Precision = Field("fp32", description="autocast of every site's forward/backward: fp32 (none), bf16 or fp16 (loss-scaled)")
     optimizer: OptimizerConfig = OptimizerConfig(name="sgd", lr=0.1, momentum=0.9)
-    strategies: list[StrategySpec] = Field(
-        default_factory=lambda: [
-            StrategySpec(name="dsgd"),
-            StrategySpec(name="dad"),
-            StrategySpec(name="auto"),
-            StrategySpec(name="edad"),
-            StrategySpec(name="rankdad", options={"rank": 4}),
-            StrategySpec(name="powersgd", options={"rank": 4, "start_iter": 10}),
-        ]
-    )
+    strategies: list[StrategySpec] = Field(default_factory=lambda: list(DEMO_STRATEGIES))
 
     clip_ratio: float = Field(
         DEFAULT_CLIP_RATIO, description="bounded influence as the coordinator applies it (federation.clip_ratio, "
         "docs/robustness.md): each site's update scaled down to this multiple of the others' median norm; 0: off"
     )
     agreement: bool = Field(True, description="bounded influence: weight 0 for a site against the majority (federation.agreement)")
+    rank_every: int = Field(5, ge=0, description="read the effective rank of each site's gradient and of their sum off the factors "
+                            "every this many steps (strategies/introspect.py; factor strategies; each reading costs about "
+                            "what the sites' forward/backward passes cost on the digits MLP); 0: never")
     dp: DPConfig | None = Field(None, description="sample-level differential privacy (docs/privacy.md); off when absent")
 
     _clip_ratio = field_validator("clip_ratio")(check_clip_ratio)
@@ -172,6 +195,9 @@ def _simulate(config: SimulationConfig, spec: StrategySpec, metrics: MetricsWrit
     screening = Screening(coordinator, math.inf, None, clip_ratio=config.clip_ratio, agreement=config.agreement)
     has_test = workload.test is not None and len(workload.test) > 0
 
+    def introspects(step: int) -> bool:  # not under DP: its records would carry more than ε accounts for
+        return budget is None and config.rank_every > 0 and step % config.rank_every == 0
+
     records: list[dict[str, Any]] = []
     for step in range(config.steps):
         if step + 1 > last_step:
@@ -207,6 +233,7 @@ def _simulate(config: SimulationConfig, spec: StrategySpec, metrics: MetricsWrit
             "fingerprint": fingerprints.pop(),
             **(strategy.describe(coordinator.layout, messages) if budget is None else {}),
             **screening.weights_record(step, [f"site-{s}" for s in range(len(sites))]),
+            **(gradient_ranks(coordinator.layout, [local.factors for local in locals_]) if introspects(step) else {}),
         }
         evaluates = is_eval_step(step, config.eval_every, config.steps) or step + 1 == last_step  # the model released
         if budget is not None and evaluates:  # the last step is an eval step (is_eval_step)

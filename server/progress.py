@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from dadfl.metrics import human_bytes
+from dadfl.metrics import RANK_PREFIXES, human_bytes
 
 log = logging.getLogger("dadfl.server")
 console = Console(stderr=True)
@@ -97,6 +97,8 @@ class OperatorView:
         for key, value in record.items():
             if key.startswith(("eval_", "test_")) and isinstance(value, (int, float)):
                 scalars[key.replace("_", "/", 1)] = value
+            elif key.startswith(RANK_PREFIXES):  # rank90/<layer>/<site, sum or update>: one chart per layer
+                scalars[key] = value
         for site, values in record.get("eval_by_site", {}).items():
             for name, value in values.items():
                 scalars[f"eval_by_site/{site}/{name}"] = value

@@ -310,6 +310,11 @@ class Strategy:
 
 
 RAW_INPUT_POLICIES = ("dense", "low_rank", "activations")
+# One policy for every strategy that sends a projection of a raw-input layer's gradient
+# (rank-dAD, PowerSGD): a rank-r projection of a gradient reveals no more than the gradient
+# itself, which dSGD sends, so it is allowed unless the configuration says "dense";
+# raw activations leave a site only with "activations" (docs/privacy.md).
+DEFAULT_RAW_INPUT = "low_rank"
 
 
 def check_raw_input(raw_input: str) -> None:
@@ -332,6 +337,17 @@ def may_share(layer: CapturedLayer, raw_input: str, form: str) -> bool:
     if not layer.raw_input:
         return True
     return raw_input == "activations" or (form == "low_rank" and raw_input == "low_rank")
+
+
+def low_rank_allowed(layout: Layout, raw_input: str) -> set[str]:
+    """The parameters a rank-r strategy may send as a projection of their gradient: the
+    weights of captured layers the guard allows as low-rank factors and, unless
+    ``raw_input`` is "dense", every uncovered parameter (the layout cannot tell whether one
+    reads the raw input). rank-dAD and PowerSGD both plan with it, so one policy governs both."""
+    allowed = {layer.weight for layer in layout.layers if may_share(layer, raw_input, "low_rank")}
+    if raw_input != "dense":
+        allowed.update(layout.uncovered)
+    return allowed
 
 
 # ----------------------------------------------------------------------------- dense parts

@@ -15,8 +15,8 @@ its tensors with their shapes and dtypes; a shape may use two symbols:
   form, at most ``num_samples`` × the lookups one sample makes (padding ids are not sent);
   the ids must lie in the table (``Spec.bound``).
 
-A unit whose forms include a dense gradient may be absent: that site's batch gave it no
-gradient, and it adds nothing.
+A unit whose forms include a dense gradient, or marked ``optional``, may be absent: that
+site's batch gave it no gradient, and it adds nothing.
 
 An upload must match exactly one form of every unit, carry nothing else, and hold only
 finite values (:func:`check_payload`). Then its **contribution** is measured — the norm
@@ -83,6 +83,7 @@ class Form:
 class Unit:
     name: str
     forms: tuple[Form, ...]
+    optional: bool = False  # may be absent (a low-rank unit of a parameter that got no gradient)
 
 
 @dataclass(frozen=True)
@@ -178,7 +179,7 @@ def check_payload(units: Sequence[Unit], payload: Payload) -> str | None:
     for unit in units:
         unit_keys = {key for form in unit.forms for key in form.tensors}
         present = keys & unit_keys
-        if not present and any(form.name == "dense gradient" for form in unit.forms):
+        if not present and (unit.optional or any(form.name == "dense gradient" for form in unit.forms)):
             continue  # no gradient at this site
         complete = [form for form in unit.forms if set(form.tensors) == present]
         if not complete:

@@ -20,8 +20,9 @@ Cost per step (floats; layers l = 1..L with k_l inputs and m_l outputs, rows n_s
 versus dAD's n_s·Σ_l (k_l + m_l): the hidden deltas are free.
 
 Supported models: ``nn.Sequential`` of ``nn.Linear`` and the elementwise activations
-above (an ``nn.Flatten`` may come first); anything else gets an error naming the
-module, and ``dad``/``auto`` serve it instead. Reveals what dAD reveals, minus hidden
+above (an ``nn.Flatten`` may come first), with no forward or backward hook on them (a
+hook may change a Linear's output or its delta, which the recomputation cannot see);
+anything else gets an error naming the module, and ``dad``/``auto`` serve it instead. Reveals what dAD reveals, minus hidden
 deltas; the first layer reads the raw input and travels dense unless
 ``raw_input="activations"``.
 """
@@ -88,6 +89,13 @@ def feed_forward_chain(model: nn.Module | None, layout: Layout) -> list[ChainLin
     children = list(model._modules.items())
     if children and isinstance(children[0][1], nn.Flatten):
         children = children[1:]
+    hooked = [name for name, module in children if any(_hooks(module))] + (["(every module)"] if any(_global_hooks()) else [])
+    if hooked:
+        raise ValueError(
+            f"edad: module {hooked[0]!r} has a forward or backward hook, which may change what edad's "
+            f"recomputed deltas assume (each Linear's output goes unchanged through its activation into the "
+            f"next Linear); remove the hook, or use 'dad' or 'auto', whose probe checks every layer's gradient"
+        )
     links: list[ChainLink] = []
     pending: CapturedLayer | None = None
     seen_linear: dict[int, str] = {}
@@ -121,6 +129,17 @@ def feed_forward_chain(model: nn.Module | None, layout: Layout) -> list[ChainLin
         raise ValueError(f"edad: the model must end with an nn.Linear output layer; {hint}")
     links.append(ChainLink(pending, None))
     return links
+
+
+def _hooks(module: nn.Module) -> tuple[dict, ...]:
+    return (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
+
+
+def _global_hooks() -> tuple[dict, ...]:
+    from torch.nn.modules import module as registry  # the hooks registered for every module
+
+    return (registry._global_forward_hooks, registry._global_forward_pre_hooks, registry._global_backward_hooks,
+            registry._global_backward_pre_hooks)
 
 
 def recompute_deltas(chain: Sequence[ChainLink], params: dict[str, torch.Tensor], tensors: dict) -> dict:

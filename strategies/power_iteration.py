@@ -263,34 +263,6 @@ def reduce_sum(
     )
 
 
-def factor_singular_values(P: torch.Tensor, Q: torch.Tensor) -> torch.Tensor:
-    """Singular values of P Qᵀ per group (G, min(r, m, k)), from the factors only.
-
-    P = Qp Rp and Q = Qq Rq (thin QR) give P Qᵀ = Qp (Rp Rqᵀ) Qqᵀ, so the singular
-    values are those of the r × r matrix Rp Rqᵀ; the m × k product is never formed.
-    """
-    dtype = torch.float32 if P.dtype in LOW_PRECISION else P.dtype
-    return _singular_values(P, Q).to(dtype)
-
-
-def _singular_values(P: torch.Tensor, Q: torch.Tensor) -> torch.Tensor:
-    """``factor_singular_values`` in float64: finite factors near the float32 limit have an
-    r × r product that overflows float32 (and the SVD would raise LinAlgError on it)."""
-    if P.dim() == 2:
-        P, Q = P.unsqueeze(0), Q.unsqueeze(0)
-    Rp = torch.linalg.qr(P.double(), mode="r").R
-    Rq = torch.linalg.qr(Q.double(), mode="r").R
-    return torch.linalg.svdvals(torch.bmm(Rp, Rq.transpose(1, 2)))
-
-
-def effective_rank(P: torch.Tensor, Q: torch.Tensor, rtol: float = 1e-3) -> int:
-    """Components of P Qᵀ with σ > rtol·σ_max, summed over groups (the rank of the
-    block-diagonal map a grouped layer applies)."""
-    S = _singular_values(P, Q)
-    top = S.max(dim=-1, keepdim=True).values
-    return int(((S > rtol * top) & (top > 0)).sum())
-
-
 def _start(
     A: torch.Tensor, groups: int, k: int, r: int, warm_start: torch.Tensor | None, generator: torch.Generator | None
 ) -> torch.Tensor:

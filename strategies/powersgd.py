@@ -21,6 +21,11 @@ draws a fresh Q. Orthogonalisation is the hook's: Gram–Schmidt for r ≤ 2 (``
 added to each column norm), Householder QR otherwise; a column that is exactly zero
 stays zero instead of becoming NaN.
 
+A parameter that no site's batch gives a gradient (and no site's memory holds anything
+of) travels in neither phase and gets no update, as under autograd: the optimizer's
+momentum and weight decay leave it alone. A site without a gradient for a matrix another
+site sends counts it as zero.
+
 Steps with ``step < start_iter`` (the ``step`` given to ``begin``; a rebuilt half
 keeps following the coordinator's step numbers) send every gradient dense in one
 phase, like the hook's ``start_powerSGD_iter`` — the error memory starts at zero on
@@ -48,6 +53,11 @@ Cost per compressed matrix (floats, r = min(rank, n, m)), two round trips per st
     down = r·(n + m)   (P̂, then Q)
 Dense tensors: numel both ways, in phase 0. Warm-up steps: dSGD's cost, one phase.
 
+Raw input (``raw_input``, the policy rank-dAD follows, ``base.low_rank_allowed``): with
+"low_rank" (the default) or "activations" every matrix is compressed as above; with
+"dense" the weights of layers that read the model's raw input, and every parameter the
+layout cannot place (uncovered), travel dense instead.
+
 Reveals: to the server, each site's projections M_s Q and M_sᵀ P̂ of its gradient
 (plus error memory): a rank-r view of its gradient and everything dense (biases)
 exactly. Sites see P̂ and the aggregated Q, i.e. the rank-r mean update. Not exact
@@ -64,15 +74,18 @@ import torch
 
 from .base import (
     BUFFER_ROLE,
+    DEFAULT_RAW_INPUT,
     GRAD_ROLE,
     LocalResult,
     Payload,
     StateDict,
     Stateless,
     Strategy,
+    check_raw_input,
     check_state_keys,
     dense_aggregate,
     dense_upload,
+    low_rank_allowed,
     split_key,
     sum_in_order,
     tensor_key,
@@ -115,11 +128,13 @@ class Plan:
     dense: tuple[str, ...]  # model order
 
 
-def plan(layout: Layout, rank: int, min_compression_rate: float) -> Plan:
-    """The hook's choice per tensor, and its order for drawing the random Q."""
+def plan(layout: Layout, rank: int, min_compression_rate: float, raw_input: str = DEFAULT_RAW_INPUT) -> Plan:
+    """The hook's choice per tensor, and its order for drawing the random Q; a tensor the
+    raw-input policy keeps dense (``low_rank_allowed``, as rank-dAD) is never compressed."""
+    allowed = low_rank_allowed(layout, raw_input)
     matrices, dense = [], []
     for name, shape in zip(layout.params, layout.shapes):
-        if len(shape) > 1:
+        if len(shape) > 1 and name in allowed:
             n = shape[0]
             m = int(np.prod(shape[1:]))
             r = min(rank, n, m)
@@ -176,10 +191,11 @@ def decode_powersgd(plan_: Plan, messages: Sequence[Payload]) -> dict[str, torch
         elif role == BUFFER_ROLE:
             update[key] = tensor
     if len(messages) > 1:
-        for matrix in plan_.matrices:
-            update[matrix.name] = low_rank_update(
-                messages[0].tensors[matrix.p_key], messages[1].tensors[matrix.q_key], matrix.shape
-            )
+        for matrix in plan_.matrices:  # a matrix no site sent gets no update
+            if matrix.p_key in messages[0].tensors and matrix.q_key in messages[1].tensors:
+                update[matrix.name] = low_rank_update(
+                    messages[0].tensors[matrix.p_key], messages[1].tensors[matrix.q_key], matrix.shape
+                )
     return update
 
 
@@ -222,7 +238,7 @@ class PowerSGDSite:
     def __init__(self, layout: Layout, strategy: "PowerSGD"):
         self.layout = layout
         self.options = strategy
-        self.plan = plan(layout, strategy.rank, strategy.min_compression_rate)
+        self.plan = plan(layout, strategy.rank, strategy.min_compression_rate, strategy.raw_input)
         self.q_source = _QSource(strategy.seed)
         self.errors: dict[str, torch.Tensor] = {}
         self.q_memory: dict[str, torch.Tensor] = {}
@@ -241,16 +257,18 @@ class PowerSGDSite:
         self.M = {}
         reference = next(iter(local.grads.values()), None)
         for matrix in self.plan.matrices:
-            # A matrix no row of this batch reached counts as a zero gradient: the shared
-            # projection needs every site's term.
+            # A matrix no row of this batch reached counts as a zero gradient where another
+            # site's P or this site's memory makes it travel; with neither, it sends no P, and
+            # a matrix no site sends gets no update (as under autograd: no momentum, no decay).
             grad = local.grads.get(matrix.name)
+            memory = self.errors.get(matrix.name) if self.options.use_error_feedback else None
             if grad is None:
                 grad = torch.zeros(matrix.shape) if reference is None else reference.new_zeros(matrix.shape)
             M = grad.reshape(matrix.n, matrix.m) / local.num_samples
-            if self.options.use_error_feedback and matrix.name in self.errors:
-                M = M + self.errors[matrix.name]
-            self.M[matrix.name] = M
-            tensors.update(factor_entries(matrix.p_key, self._product(M, qs[matrix.name]), self.options.factor_bits))
+            self.M[matrix.name] = M if memory is None else M + memory
+            if matrix.name in local.grads or memory is not None:
+                P = self._product(self.M[matrix.name], qs[matrix.name])
+                tensors.update(factor_entries(matrix.p_key, P, self.options.factor_bits))
         return Payload(step, 0, local.num_samples, tensors)
 
     @staticmethod
@@ -263,27 +281,32 @@ class PowerSGDSite:
 
     def _start_q(self, local: LocalResult) -> dict[str, torch.Tensor]:
         eps = self.options.orthogonalization_epsilon
-        if self.options.warm_start and self.q_memory:
-            return {name: orthogonalize(q, eps) for name, q in self.q_memory.items()}
+        warm = self.q_memory if self.options.warm_start else {}
+        if warm and all(m.name in warm for m in self.plan.matrices):
+            return {name: orthogonalize(q, eps) for name, q in warm.items()}
         reference = next(iter(local.grads.values()), None)
         dtype = reference.dtype if reference is not None else torch.float32
         device = reference.device if reference is not None else torch.device("cpu")
-        # Drawn on the CPU (as the hook does) so every device gets the same numbers.
+        # Drawn on the CPU (as the hook does) so every device gets the same numbers; a matrix
+        # the last update left out has no warm start and takes its fresh draw.
         fresh = self.q_source.draw(self.plan, dtype)
-        return {name: orthogonalize(q.to(device), eps) for name, q in fresh.items()}
+        return {name: orthogonalize(warm[name] if name in warm else q.to(device), eps) for name, q in fresh.items()}
 
     def receive(self, message: Payload) -> Payload | None:
         if not self.options.compresses(self.step):
             return None
         message = unpack(message)
         if message.phase == 0:
-            self.p_hat = {m.name: message.tensors[m.p_key] for m in self.plan.matrices}
+            self.p_hat = {m.name: message.tensors[m.p_key] for m in self.plan.matrices if m.p_key in message.tensors}
             tensors = {}
             for m in self.plan.matrices:
-                Q = self._product(self.M[m.name].transpose(0, 1), self.p_hat[m.name])
-                tensors.update(factor_entries(m.q_key, Q, self.options.factor_bits))
+                if m.name in self.p_hat:
+                    Q = self._product(self.M[m.name].transpose(0, 1), self.p_hat[m.name])
+                    tensors.update(factor_entries(m.q_key, Q, self.options.factor_bits))
             return Payload(self.step, 1, self.num_samples, tensors)
         for matrix in self.plan.matrices:
+            if matrix.name not in self.p_hat or matrix.q_key not in message.tensors:
+                continue  # no site sent it: no update, nothing to remember
             q = message.tensors[matrix.q_key]
             if self.options.use_error_feedback:
                 approx = low_rank_update(self.p_hat[matrix.name], q, (matrix.n, matrix.m))
@@ -326,7 +349,7 @@ class PowerSGDServer(Stateless):
     def __init__(self, layout: Layout, strategy: "PowerSGD"):
         self.layout = layout
         self.options = strategy
-        self.plan = plan(layout, strategy.rank, strategy.min_compression_rate)
+        self.plan = plan(layout, strategy.rank, strategy.min_compression_rate, strategy.raw_input)
 
     def aggregate(self, payloads: Sequence[Payload]) -> Payload:
         payloads = [unpack(p) for p in payloads]
@@ -338,17 +361,23 @@ class PowerSGDServer(Stateless):
             tensors = dense_aggregate(payloads, self.plan.dense, self.layout.buffers)
             for matrix in self.plan.matrices:
                 P = self._weighted_mean(payloads, matrix.p_key, total)
-                P = orthogonalize(P, self.options.orthogonalization_epsilon)
-                tensors.update(factor_entries(matrix.p_key, P, self.options.factor_bits))
+                if P is not None:
+                    P = orthogonalize(P, self.options.orthogonalization_epsilon)
+                    tensors.update(factor_entries(matrix.p_key, P, self.options.factor_bits))
         else:
             tensors = {}
             for m in self.plan.matrices:
-                tensors.update(factor_entries(m.q_key, self._weighted_mean(payloads, m.q_key, total), self.options.factor_bits))
+                Q = self._weighted_mean(payloads, m.q_key, total)
+                if Q is not None:
+                    tensors.update(factor_entries(m.q_key, Q, self.options.factor_bits))
         return Payload(first.step, first.phase, total, tensors)
 
     @staticmethod
-    def _weighted_mean(payloads: Sequence[Payload], key: str, total: int) -> torch.Tensor:
-        return sum_in_order([p.tensors[key] * (p.num_samples / total) for p in payloads])
+    def _weighted_mean(payloads: Sequence[Payload], key: str, total: int) -> torch.Tensor | None:
+        """Σ_s (n_s/N) X_s over the sites that sent ``key`` (a site without it had no
+        gradient there: a zero term); None when none did."""
+        present = [p.tensors[key] * (p.num_samples / total) for p in payloads if key in p.tensors]
+        return sum_in_order(present) if present else None
 
 
 @dataclass(frozen=True)
@@ -363,6 +392,7 @@ class PowerSGD(Strategy):
     orthogonalization_epsilon: float = 0.0
     seed: int = 0
     factor_bits: int = FULL_PRECISION
+    raw_input: str = DEFAULT_RAW_INPUT
     name = "powersgd"
     needs_factors = False
 
@@ -376,6 +406,7 @@ class PowerSGD(Strategy):
         if self.orthogonalization_epsilon < 0:
             raise ValueError(f"powersgd: orthogonalization_epsilon={self.orthogonalization_epsilon} must be >= 0")
         check_factor_bits("powersgd", self.factor_bits, self.use_error_feedback)
+        check_raw_input(self.raw_input)
 
     def compresses(self, step: int) -> bool:
         """Whether ``step`` is compressed (two phases) or a dense warm-up step (one)."""
@@ -389,10 +420,11 @@ class PowerSGD(Strategy):
 
     def upload_units(self, layout: Layout, facts, phase: int, step: int, model=None) -> list | None:
         """Warm-up steps: dSGD's phase 0. Compressed steps: phase 0 the dense tensors and
-        P (n × r) per matrix, phase 1 Q (m × r) per matrix, r the plan's rank exactly."""
+        P (n × r) per matrix, phase 1 Q (m × r) per matrix, r the plan's rank exactly; a
+        matrix the site's batch gave no gradient (and its memory nothing) may be absent."""
         if not self.compresses(step):
             return facts.dense_units(layout.params) + facts.buffer_units(layout.buffers) if phase == 0 else None
-        plan_ = plan(layout, self.rank, self.min_compression_rate)
+        plan_ = plan(layout, self.rank, self.min_compression_rate, self.raw_input)
         if phase == 0:
             units = facts.dense_units(plan_.dense) + facts.buffer_units(layout.buffers)
             role, rows = "P", lambda m: m.n
@@ -403,7 +435,7 @@ class PowerSGD(Strategy):
         for matrix in plan_.matrices:
             key = tensor_key(matrix.name, role)
             specs = quantized_specs({key: Spec((rows(matrix), matrix.r), facts.params[matrix.name][1])}, self.factor_bits)
-            units.append(Unit(matrix.name, (Form(f"{role} factor", specs),)))
+            units.append(Unit(matrix.name, (Form(f"{role} factor", specs),), optional=True))
         return units
 
     def terms(self, layout: Layout, payload: Payload, messages_so_far, model=None) -> tuple[dict, dict]:
@@ -434,4 +466,4 @@ class PowerSGD(Strategy):
     SCALED_ROLES = frozenset({GRAD_ROLE, "P", "P_scale", "Q", "Q_scale"})
 
     def decode(self, layout: Layout, messages: Sequence[Payload], model=None) -> dict[str, torch.Tensor]:
-        return decode_powersgd(plan(layout, self.rank, self.min_compression_rate), [unpack(m) for m in messages])
+        return decode_powersgd(plan(layout, self.rank, self.min_compression_rate, self.raw_input), [unpack(m) for m in messages])

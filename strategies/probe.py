@@ -21,6 +21,7 @@ alters in a way capture cannot see, mixed dtypes outside autocast.
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import replace
 from typing import Sequence
 
@@ -35,6 +36,15 @@ from .precision import autocast, tolerance
 log = logging.getLogger("dadfl.capture")
 
 PROBE_SEED = 0
+# torch.utils.checkpoint(..., use_reentrant=True) hides the segment from autograd.grad (an
+# error), or, when no input of the segment needs a gradient, from autograd altogether (a warning).
+REENTRANT_NO_GRAD = "None of the inputs have requires_grad=True"
+REENTRANT_CHECKPOINT = (
+    "the model calls torch.utils.checkpoint with use_reentrant=True, which cannot give the "
+    "parameters inside the checkpointed segment their own gradients (torch.autograd.grad refuses it, "
+    "and with inputs that need no gradient they get none at all); pass use_reentrant=False to "
+    "torch.utils.checkpoint.checkpoint (PyTorch's recommended form), which dadfl supports"
+)
 
 
 def probe_layers(
@@ -49,8 +59,13 @@ def probe_layers(
     model.eval()  # no running-statistics update, no dropout
     try:
         with torch.enable_grad():
-            with recorder, autocast(precision, args[0].device):
+            with recorder, autocast(precision, args[0].device), warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
                 outputs = model(*args)
+            for warning in caught:
+                if REENTRANT_NO_GRAD in str(warning.message):
+                    raise ValueError(REENTRANT_CHECKPOINT)  # its parameters would get no gradient
+                warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
             ends = [t for t in _tensors(outputs) if t.is_floating_point() and t.requires_grad]
             if not ends:
                 return [], {}
@@ -58,7 +73,12 @@ def probe_layers(
             cotangents = [torch.randn(t.shape, generator=generator, dtype=t.dtype).to(t.device) for t in ends]
             # Σ ⟨output, cotangent⟩ backpropagates exactly the cotangents.
             probe_loss = sum((t * c).sum() for t, c in zip(ends, cotangents))
-            grads = torch.autograd.grad(probe_loss, [p for _, p in trainable], allow_unused=True)
+            try:
+                grads = torch.autograd.grad(probe_loss, [p for _, p in trainable], allow_unused=True)
+            except RuntimeError as exc:
+                if "use_reentrant" in str(exc):
+                    raise ValueError(REENTRANT_CHECKPOINT) from None
+                raise
     finally:
         model.train(was_training)
     autograd = {name: g for (name, _), g in zip(trainable, grads)}

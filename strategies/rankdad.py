@@ -82,8 +82,8 @@ shape[0] × rest as PowerSGD does, are compressed the same way from their dense
 gradient (``dense_power_iteration``, same memories) whenever r'·(m + k) < m·k; else
 they travel dense. Since the layout cannot tell whether such a parameter reads the raw
 input, they are compressed only when ``raw_input`` allows low-rank factors of raw-input
-layers ("low_rank" or "activations"); with the default "dense" they travel dense as
-before. 1-D parameters (norms) and buffers travel dense and exact.
+layers ("low_rank", the default, or "activations"); with "dense" they travel dense.
+1-D parameters (norms) and buffers travel dense and exact.
 
 **Biases in the factors** (``bias_in_factors``, the default, with error feedback). A
 captured layer's bias gradient Σ_rows Δ_s is the gradient of one more input column of
@@ -181,8 +181,9 @@ rank-r approximation of its gradient plus memory (with a bias apart, also its ex
 gradient, whose ratio to a row of the weight gradient gives a single sample's input) —
 less than the gradient itself, but the leading singular directions of a small batch's
 gradient still carry its inputs ("Deep Leakage from Gradients"). Layers reading the
-raw input travel as dense gradients unless ``raw_input`` is "low_rank" or
-"activations"; A and Δ never leave the site.
+raw input travel as rank-r factors like the others (``raw_input="low_rank"``, the
+default: the same projection PowerSGD sends of them, no more than their dense gradient
+reveals), or as dense gradients with ``raw_input="dense"``; A and Δ never leave the site.
 """
 
 from __future__ import annotations
@@ -193,7 +194,9 @@ from typing import Sequence
 import torch
 
 from .base import (
+    DEFAULT_RAW_INPUT,
     GRAD_ROLE,
+    Factors,
     LocalResult,
     Payload,
     StateDict,
@@ -204,7 +207,7 @@ from .base import (
     dense_aggregate,
     dense_upload,
     layer_gradient,
-    may_share,
+    low_rank_allowed,
     numel,
     sum_in_order,
     tensor_key,
@@ -212,13 +215,13 @@ from .base import (
     with_prefix,
 )
 from .checks import RANK, Form, Spec, Unit, all_finite, layerwise_terms
+from .introspect import energy_ranks, factor_energies
 from .layout import CapturedLayer, Layout
-from .power_iteration import Lookups, LowRank, dense_power_iteration, effective_rank, make_generator, power_iteration, reduce_sum
+from .power_iteration import Lookups, LowRank, dense_power_iteration, make_generator, power_iteration, reduce_sum
 from .quantize import FULL_PRECISION, Quantized, check_factor_bits, factor_entries, quantize, quantized_specs, unpack
 
 Factor = torch.Tensor | Quantized  # a factor as it is sent: floats, or codes and scale (``quantize.py``)
 
-EFFECTIVE_RANK_RTOL = 1e-3  # describe(): components above this fraction of the largest
 
 
 @dataclass(frozen=True)
@@ -304,28 +307,23 @@ class Plan:
         return tuple(c.layer.bias for c in self.matrices if c.layer is not None and c.layer.bias and c.bias is None)
 
 
-def low_rank_layers(layout: Layout, raw_input: str) -> list[CapturedLayer]:
-    """The captured layers the privacy guard allows to travel as low-rank factors."""
-    return [layer for layer in layout.layers if may_share(layer, raw_input, "low_rank")]
-
-
 def plan(layout: Layout, rank: int, raw_input: str, fold_bias: bool, stack_groups: bool) -> Plan:
     """``fold_bias``: each captured layer's bias is its matrix's last column; ``stack_groups``:
     a grouped layer is one matrix, its groups' rows stacked (G·m × k, as PowerSGD views it);
-    else each group is factored apart."""
+    else each group is factored apart. What may travel as factors is ``low_rank_allowed``'s
+    (the policy PowerSGD plans with too)."""
+    allowed = low_rank_allowed(layout, raw_input)
     matrices = []
-    for l in low_rank_layers(layout, raw_input):
+    for l in (layer for layer in layout.layers if layer.weight in allowed):
         fold = l.bias if fold_bias else None
         groups, m = (1, l.groups * l.out_per_group) if stack_groups else (l.groups, l.out_per_group)
         matrices.append(Compressed(l.module, l.weight, groups, m, l.in_per_group + bool(fold), l.weight_shape, l, fold))
     compressed_layers = {c.key for c in matrices}
     dense_layers = tuple(l for l in layout.layers if l.module not in compressed_layers)
     dense_params = []
-    # Uncovered matrices: the layout cannot tell whether they read the raw input.
-    uncovered_allowed = raw_input != "dense"
     for name in layout.uncovered:
         shape = layout.shape(name)
-        if uncovered_allowed and len(shape) > 1:
+        if name in allowed and len(shape) > 1:
             m, k = shape[0], numel(shape[1:])
             if min(rank, m, k) * (m + k) < m * k:
                 matrices.append(Compressed(name, name, 1, m, k, tuple(shape), None))
@@ -470,9 +468,10 @@ class RankDADSite:
             if factors is not None and weight is None and (bias is None or target.bias is None):
                 weight, bias = layer_gradient(target.layer, factors.tensors(target.key))
             M = target.matrix(weight, bias, 1.0 / n, memory)
-            if M is None:  # this batch did not reach it: a zero gradient, as PowerSGD counts it
-                like = memory if memory is not None else next(iter(local.grads.values()), None)
-                M = with_memory(torch.zeros(shape) if like is None else like.new_zeros(shape), 1.0 / n, memory)
+            if M is None and memory is None:
+                return {}  # no gradient and nothing remembered: nothing to send, and no update if no site sends it
+            if M is None:  # this batch did not reach it: a zero gradient plus the memory
+                M = with_memory(memory.new_zeros(shape), 1.0 / n, memory)
             result, P, Q, residual = compress_dense(M, options.rank, options.error_feedback, n, options.factor_bits,
                                                     generator=state.generators.on(M.device), **passes)
             if residual is not None:
@@ -589,7 +588,7 @@ class RankDAD(Strategy):
     reduce_on_server: bool = True
     tol: float = 0.0
     shared_warm_start: bool = True
-    raw_input: str = "dense"
+    raw_input: str = DEFAULT_RAW_INPUT
     seed: int = 0
     bias_in_factors: bool = True
     stack_groups: bool = False
@@ -654,7 +653,7 @@ class RankDAD(Strategy):
                     tensor_key(target.key, "Q"): Spec((target.k, RANK), dtype),
                 }, max_rank=max_rank),)
             forms = tuple(replace(form, tensors=quantized_specs(form.tensors, self.factor_bits)) for form in forms)
-            units.append(Unit(target.key, forms))
+            units.append(Unit(target.key, forms, optional=True))  # absent: no gradient at this site
         return units
 
     def terms(self, layout: Layout, payload: Payload, messages_so_far, model=None) -> tuple[dict, dict]:
@@ -664,12 +663,15 @@ class RankDAD(Strategy):
         return layerwise_terms(layout, payload, low_rank=pairs)
 
     def describe(self, layout: Layout, messages: Sequence[Payload]) -> dict[str, float]:
-        """``rank/<name>``: effective rank of each factored matrix's decoded update
-        (components above 1e-3 of the largest), from the factors' small Gram matrices."""
+        """``rank90/<name>/update`` and ``rank99/…``: the components of each factored matrix's
+        decoded update P Qᵀ holding 90% and 99% of its energy (``introspect.py``: from the
+        factors' r × r Gram matrices), at most the rank sent."""
         message = unpack(messages[-1])
         ranks = {}
         for target in self.plan(layout).matrices:
             factors = target.read(message)
             if factors is not None:
-                ranks[f"rank/{target.key}"] = float(effective_rank(*factors, EFFECTIVE_RANK_RTOL))
+                P, Q = factors
+                energies = factor_energies(Factors(Q.transpose(1, 2), P.transpose(1, 2)), target.groups * target.m, target.k)
+                ranks.update(energy_ranks(energies, f"{target.key}/update"))
         return ranks

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from dadfl.strategies import Layout, local_step, make_strategy
+from dadfl.strategies.base import RAW_INPUT_POLICIES
 
 from model_zoo import build, exchange_step, per_sample_cross_entropy, site_batches
 
@@ -105,6 +106,35 @@ def test_raw_input_layer_never_sends_activations_by_default(strategy, kind):
     local = local_step(model, layout, per_sample_cross_entropy, *batches[0])
     payload = strategy_obj.site(layout, model).begin(local, 0)
     assert f"{first.module}:A" not in payload.tensors, "raw input must not leave the site"
+
+
+RANK_R = {"rankdad": {"rank": 1}, "powersgd": {"rank": 1, "start_iter": 0, "min_compression_rate": 0}}
+
+
+@pytest.mark.parametrize("kind", ["mlp", "transformer"])
+@pytest.mark.parametrize("raw_input", [None, *RAW_INPUT_POLICIES])
+def test_one_raw_input_policy_governs_rank_dad_and_powersgd(kind, raw_input):
+    """Both send a rank-r projection of a raw-input layer's gradient, or both its dense gradient:
+    the same matrices dense under the same policy; neither ever sends A or Δ."""
+    model = build(kind)
+    batches = site_batches(kind, sizes=(6,))
+    layout = Layout.from_model(model, batches[0][0])
+    local = local_step(model, layout, per_sample_cross_entropy, *batches[0])
+    first = next(layer for layer in layout.layers if layer.raw_input)
+    matrices = {name for name, shape in zip(layout.params, layout.shapes) if len(shape) > 1}
+    dense = {}
+    for name, options in RANK_R.items():
+        options = options if raw_input is None else {**options, "raw_input": raw_input}
+        payload = make_strategy(name, **options).site(layout, model).begin(local, 0)
+        assert not any(key.endswith((":A", ":D", ":ids", ":rows")) for key in payload.tensors)
+        dense[name] = {key.rpartition(":")[0] for key in payload.tensors if key.endswith(":grad")} & matrices
+        if first.weight in dense[name]:
+            assert torch.equal(payload.tensors[f"{first.weight}:grad"], local.grads[first.weight])
+    assert dense["rankdad"] == dense["powersgd"]
+    if raw_input == "dense":  # the raw-input layers and the matrices the layout cannot place
+        assert dense["rankdad"] == {l.weight for l in layout.layers if l.raw_input} | (matrices & set(layout.uncovered))
+    else:  # the default: every matrix as a projection
+        assert dense["rankdad"] == set()
 
 
 class NormalisedInput(nn.Module):

@@ -235,7 +235,7 @@ def test_operator_view_logs_progress_and_writes_tensorboard(tmp_path, caplog):
     with caplog.at_level("INFO", logger="dadfl.server"), view:
         view.step(step_record(0))  # the first step always logs
         view.step(step_record(1, eval_accuracy=0.8, eval_loss=0.5, eval_samples=10, eval_by_site=by_site))
-        view.step(step_record(2))  # throttled
+        view.step(step_record(2, **{"rank90/fc/update": 3.0, "rank99/fc/update": 4.0}))  # throttled
         view.step(step_record(3))  # the last step always logs
     lines = [r.getMessage() for r in caplog.records]
     assert [line.split(":")[0] for line in lines] == ["step 1/4", "step 2/4", "step 4/4"]
@@ -244,6 +244,7 @@ def test_operator_view_logs_progress_and_writes_tensorboard(tmp_path, caplog):
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"train/loss", "bytes/cumulative", "eval/accuracy", "eval_by_site/h1/accuracy"} <= tags
+    assert {"train/loss", "bytes/cumulative", "eval/accuracy", "eval_by_site/h1/accuracy", "rank90/fc/update"} <= tags
+    assert [(e.step, e.value) for e in events.Scalars("rank99/fc/update")] == [(2, 4.0)]
     assert [e.value for e in events.Scalars("bytes/cumulative")] == [3000, 6000, 9000, 12000]
     assert [(e.step, e.value) for e in events.Scalars("eval/accuracy")] == [(1, pytest.approx(0.8))]

@@ -5,8 +5,6 @@ import torch
 
 from dadfl.strategies.power_iteration import (
     Lookups,
-    effective_rank,
-    factor_singular_values,
     make_generator,
     power_iteration,
     reduce_sum,
@@ -140,16 +138,6 @@ def test_reduce_sum_is_rank_r_approximation_of_the_sum():
     best_error = float(S[4:].norm())  # Eckart–Young
     assert float((reduced.dense() - total).norm()) <= 1.02 * best_error
     assert torch.allclose(reduced.S[0], S[:4], rtol=2e-2)
-
-
-def test_effective_rank_from_factors():
-    A, D = factors(n=3)
-    result = power_iteration(A, D, 8)
-    assert effective_rank(result.P, result.Q) == 3
-    sv = factor_singular_values(result.P, result.Q)
-    assert torch.allclose(sv[0, :3], torch.linalg.svdvals(gram(A, D)[0])[:3], rtol=1e-4)
-    # Concatenated (non-orthogonal) factors: the rank of the sum.
-    assert effective_rank(torch.cat([result.P, result.P], 2), torch.cat([result.Q, 2 * result.Q], 2)) == 3
 
 
 def test_bad_shapes_are_refused():

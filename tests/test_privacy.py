@@ -402,7 +402,7 @@ def test_sim_command_keeps_the_default_strategies_dp_can_run_and_reports_epsilon
     assert result.returncode == 0, result.stdout + result.stderr
     (run_dir,) = tmp_path.iterdir()
     summaries = json.loads((run_dir / "summary.json").read_text())
-    assert [s["strategy"] for s in summaries] == ["dsgd", "dad", "auto", "edad"]  # rankdad, powersgd left out
+    assert [s["strategy"] for s in summaries] == ["dSGD", "dAD", "auto", "edAD"]  # rank-dAD, PowerSGD left out
     assert all(0 < s["dp_epsilon"] <= 5 for s in summaries) and "ε" in result.stdout
     refused = subprocess.run(
         dadfl_command("sim", "--strategies", "rankdad:rank=2", "--dp-epsilon", "5", "--out", str(tmp_path)),

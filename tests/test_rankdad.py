@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from dadfl.strategies import Layout, apply_update, local_step, make_strategy, reference_update, step_update
+from dadfl.strategies.introspect import energy_rank
 from dadfl.strategies.rankdad import RankDAD
 from dadfl.strategies.step import exchange
 
@@ -97,17 +98,17 @@ def low_rank_floats(layer, rank, folded=True, stacked=False):
 
 
 def test_bytes_match_formula_mlp_by_hand():
-    """MLP 12-16-16-5, r = 4, first layer dense (raw input), three sites; each bias folded
+    """MLP 12-16-16-5, r = 4, first layer dense (raw input, ``raw_input="dense"``), three sites; each bias folded
     into its layer's factors (Q one row longer) or, without error feedback, dense."""
-    layout, messages, traffic = run_exchange(make_strategy("rankdad", rank=4, reduce_on_server=False))
+    layout, messages, traffic = run_exchange(make_strategy("rankdad", rank=4, raw_input="dense", reduce_on_server=False))
     per_site = (16 * 12 + 16) + 4 * (16 + 1 + 16) + 4 * (16 + 1 + 5)
     assert traffic.up == [[FLOAT * per_site] * 3]
     down = (16 * 12 + 16) + 3 * 4 * (16 + 1 + 16) + 3 * 4 * (16 + 1 + 5)
     assert traffic.down == [FLOAT * down]
-    _, _, reduced = run_exchange(make_strategy("rankdad", rank=4, reduce_on_server=True))
+    _, _, reduced = run_exchange(make_strategy("rankdad", rank=4, raw_input="dense", reduce_on_server=True))
     assert reduced.down == [FLOAT * per_site]
     for options in ({"error_feedback": False}, {"bias_in_factors": False}):
-        _, _, apart = run_exchange(make_strategy("rankdad", rank=4, reduce_on_server=True, **options))
+        _, _, apart = run_exchange(make_strategy("rankdad", rank=4, raw_input="dense", reduce_on_server=True, **options))
         assert apart.down == [FLOAT * ((16 * 12 + 16) + (4 * (16 + 16) + 16) + (4 * (16 + 5) + 5))]
 
 
@@ -174,21 +175,6 @@ def test_reduce_on_server_sends_rank_r_down():
         assert concatenated[0].tensors[f"{layer.module}:P"].shape[-1] == 3 * rank
 
 
-def test_raw_input_layer_sends_no_factors_by_default():
-    model = build("mlp")
-    batches = site_batches("mlp", sizes=(4, 4))
-    layout = Layout.from_model(model, batches[0][0])
-    first = layout.layers[0]
-    assert first.raw_input
-    local = local_step(model, layout, per_sample_cross_entropy, *batches[0])
-    payload = make_strategy("rankdad").site(layout, model).begin(local, 0)
-    assert not any(key.startswith(f"{first.module}:") for key in payload.tensors), "no P, Q, A or D of the raw input"
-    assert torch.equal(payload.tensors[f"{first.weight}:grad"], local.grads[first.weight])
-    allowed = make_strategy("rankdad", raw_input="low_rank").site(layout, model).begin(local, 0)
-    assert f"{first.module}:P" in allowed.tensors and f"{first.module}:A" not in allowed.tensors
-    assert not any(key.endswith((":A", ":D")) for key in allowed.tensors)
-
-
 def train(strategy, kind="mlp", steps=4, sizes=SIZES):
     """Persistent halves over several steps with SGD; yields (reference, update, sites)."""
     model = build(kind)
@@ -226,7 +212,7 @@ def test_warm_start_is_used_at_low_rank():
     assert warm[1:] != cold[1:]
 
 
-def test_describe_reports_effective_rank_of_the_update():
+def test_describe_reports_the_energy_ranks_of_the_update():
     model = build("mlp")
     batches = site_batches("mlp", sizes=(2, 1, 1))
     layout = Layout.from_model(model, batches[0][0])
@@ -235,11 +221,12 @@ def test_describe_reports_effective_rank_of_the_update():
     strategy = make_strategy("rankdad", rank=8, raw_input="low_rank")
     messages, _ = exchange([strategy.site(layout, model) for _ in batches], strategy.server(layout, model), locals_, 0)
     ranks = strategy.describe(layout, messages)
-    assert set(ranks) == {f"rank/{layer.module}" for layer in layout.layers}
+    assert set(ranks) == {f"rank{p}/{layer.module}/update" for layer in layout.layers for p in (90, 99)}
     for layer in layout.layers:
-        sv = torch.linalg.svdvals(reference[layer.weight])
-        # At most 4: four samples in all; the decoded sum has the rank of the true gradient.
-        assert ranks[f"rank/{layer.module}"] == int((sv > 1e-3 * sv[0]).sum()) <= 4
+        # Rank 8 ≥ the 4 samples' rank: the update is the gradient, its bias the folded column.
+        matrix = torch.cat([reference[layer.weight], reference[layer.bias][:, None]], 1).double()
+        assert [ranks[f"rank{p}/{layer.module}/update"] for p in (90, 99)] == [
+            energy_rank(torch.linalg.svdvals(matrix) ** 2, p / 100) for p in (90, 99)]
     low = make_strategy("rankdad", rank=1, raw_input="low_rank", reduce_on_server=True)
     messages, _ = exchange([low.site(layout, model) for _ in batches], low.server(layout, model), locals_, 0)
     assert set(low.describe(layout, messages).values()) == {1.0}
@@ -254,9 +241,9 @@ def test_options_are_checked():
         make_strategy("rankdad", stack_groups=True, error_feedback=False)
 
 
-def test_uncovered_matrix_a_batch_did_not_reach_travels_as_zero_factors():
-    """A compressed parameter with no gradient at a site counts as zero there (it has no
-    dense form to be left out by), as in PowerSGD; the upload passes the server's checks."""
+def test_uncovered_matrix_a_batch_did_not_reach_is_left_out():
+    """A compressed parameter with no gradient (and no memory) at a site is not sent: the
+    server counts it as zero there, and the upload passes the server's checks."""
     from dataclasses import replace
 
     from dadfl.strategies.checks import ModelFacts, check_payload
@@ -265,6 +252,6 @@ def test_uncovered_matrix_a_batch_did_not_reach_travels_as_zero_factors():
     layout, batches, _, locals_, _, _ = exchange_step(strategy, "transformer", (3, 2))
     local = replace(locals_[0], grads={k: v for k, v in locals_[0].grads.items() if k != "position"})
     payload = strategy.site(layout, build("transformer")).begin(local, 0)
-    assert payload.tensors["position:P"].shape[-1] == 1 and not payload.tensors["position:P"].any()
+    assert not any(key.startswith("position:") for key in payload.tensors)
     facts = ModelFacts.from_model(build("transformer"), layout)
     assert check_payload(strategy.upload_units(layout, facts, 0, 0), payload) is None

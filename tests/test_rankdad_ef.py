@@ -209,4 +209,4 @@ def test_simulation_replicas_stay_bit_identical(tmp_path):
         simulate(config, spec, metrics)
     records = list(read_metrics(tmp_path / "m.jsonl"))  # written only for steps whose replicas agreed
     assert [r["step"] for r in records] == [0, 1, 2, 3]
-    assert "rank/position" in records[-1], "positions travel as factors"
+    assert "rank99/position/update" in records[-1], "positions travel as factors"
