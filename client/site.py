@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -115,7 +116,7 @@ class ServerClosed(grpc.RpcError):
 
 
 class GaveUp(RuntimeError):
-    """The server stayed unreachable for ``connect.max_attempts`` attempts in a row."""
+    """The server stayed unreachable for ``connect.give_up_after_s`` seconds or ``connect.max_attempts`` attempts in a row."""
 
 
 class StateLost(RuntimeError):
@@ -340,8 +341,7 @@ class Session:
         if not is_eval_step(step, run.config.eval_every, run.config.steps):
             return None
         scores = run.replica.evaluate(run.held_out)
-        # counted from 1, as the coordinator's progress line counts the steps done
-        log.info("after step %d: held-out %s on %d samples", step + 1, ", ".join(f"{k} {v:.4f}" for k, v in scores.items()),
+        log.info("after step %d: held-out %s on %d samples", step, ", ".join(f"{k} {v:.4f}" for k, v in scores.items()),
                  len(run.held_out))
         return cpb.EvalReport(samples=len(run.held_out), metrics=scores)
 
@@ -527,6 +527,7 @@ async def _take_part(site: Site, insecure: bool) -> SiteSummary:
     """Join, and rejoin with backoff, until the run finishes (``run_site_async``)."""
     config, connect = site.config, site.config.connect
     failures, delay = 0, connect.backoff_initial_s
+    since = time.monotonic()  # the start of the current run of failed connections
     while True:
         steps_before = site.summary.steps
         try:
@@ -550,11 +551,22 @@ async def _take_part(site: Site, insecure: bool) -> SiteSummary:
         except StateLost as exc:
             reason = str(exc)
         if site.summary.steps > steps_before:
-            failures, delay = 0, connect.backoff_initial_s  # the connection was useful: start over
+            failures, delay, since = 0, connect.backoff_initial_s, time.monotonic()  # the connection was useful: start over
         failures += 1
-        if failures >= connect.max_attempts:
-            raise GaveUp(f"site {config.site_id}: {connect.server} unreachable {failures} times in a row (last: {reason})")
-        pause = delay * (0.5 + random.random())  # jitter: sites that lost the server together do not return together
-        log.warning("site %s: %s; reconnecting in %.1f s (%d/%d)", config.site_id, reason, pause, failures, connect.max_attempts)
+        waited = time.monotonic() - since
+        if failures >= connect.max_attempts or waited >= connect.give_up_after_s:
+            raise GaveUp(
+                f"site {config.site_id}: gave up after {waited:.0f} s and {failures} attempts to reach the coordinator at "
+                f"{connect.server} (last: {reason}); check that it runs and listens there, then start the site again "
+                "(connect.give_up_after_s, connect.max_attempts)"
+            )
+        pause = min(delay * (0.5 + random.random()), max(connect.give_up_after_s - waited, 0.0))  # jitter: sites that lost the server together do not return together
+        if site.summary.connections == failures and failures > 1:  # never reached yet: one line said so, the rest is detail
+            log.debug("site %s: %s; trying again in %.1f s (%d/%d)", config.site_id, reason, pause, failures, connect.max_attempts)
+        elif site.summary.connections == failures:
+            log.warning("site %s: the coordinator at %s is not reachable yet (%s); trying for up to %.0f s",
+                        config.site_id, connect.server, reason, connect.give_up_after_s)
+        else:
+            log.warning("site %s: %s; reconnecting in %.1f s (%d/%d)", config.site_id, reason, pause, failures, connect.max_attempts)
         await asyncio.sleep(pause)
         delay = min(delay * 2, connect.backoff_max_s)

@@ -18,7 +18,7 @@ from dadfl.server.processes import simulate_processes
 
 from .config import ConfigError, load_config, validate_config
 from .failures import set_debug
-from .metrics import MetricsWriter
+from .metrics import MetricsWriter, write_summary
 from .privacy import EXACT_STRATEGIES
 from .replica import resolve_device
 from .report import human_bytes, write_plots
@@ -114,7 +114,7 @@ def sim(
         for spec in specs:
             task = bar.add_task(spec.display, total=settings.steps)
             summaries.append(runners[mode](settings, spec, metrics, lambda _: bar.advance(task)))
-    (run_dir / "summary.json").write_text(json.dumps(summaries, indent=2))
+    write_summary(run_dir / "summary.json", summaries)
     plots = write_plots(run_dir)
     console.print(summary_table(summaries))
     console.print(f"metrics: {run_dir / 'metrics.jsonl'}; plots: {', '.join(p.name for p in plots)}")

@@ -84,7 +84,7 @@ from typing import NoReturn
 import grpc
 from google.protobuf.message import DecodeError
 
-from dadfl.metrics import MetricsWriter, is_eval_step, read_metrics, run_summary
+from dadfl.metrics import MetricsWriter, is_eval_step, read_metrics, run_summary, write_summary
 from dadfl.model_identity import line_hashes
 from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.protos import coordinator_pb2_grpc as cpb_grpc
@@ -92,10 +92,8 @@ from dadfl.protos import tensor_pb2 as pb
 from dadfl.protos.channel import PROTOCOL_VERSION
 from dadfl.protos.codec import PayloadAssembler, WireError, codec_id, encode_payload
 from dadfl.protos.state import state_payload
-from dadfl.replica import Replica
 from dadfl.sanitize import REASON_CHARS, one_line, printable
-from dadfl.strategies import make_strategy, weights_fingerprint
-from dadfl.workloads import load_workload
+from dadfl.strategies import weights_fingerprint
 
 from . import checkpoint
 from .config import ServerConfig
@@ -103,6 +101,7 @@ from .certs import check_client_certificate
 from .enrol import SITE_ID_PATTERN, SITE_ID_RULE, Enrolment, EnrolmentError, token_hash, verify
 from .evaluation import EvalRejected, SiteEval, check_report, combine
 from .links import FINISH, GRPC_FRAME_BYTES, Close, Closed, Done, Encoded, SiteLink, SyncRequest, Upload
+from .preflight import build_replica
 from .privacy import ServerPrivacy, split_state
 from .progress import OperatorView
 from .quarantine import Quarantine
@@ -124,6 +123,15 @@ SKIP = object()  # an event that does not answer the current round
 
 class RunStopped(RuntimeError):
     """The run cannot go on (no quorum in time, a step failing again and again)."""
+
+
+class StoppedByOperator(Exception):
+    """The operator stopped the run (SIGTERM, Ctrl-C, ``dadfl stop``): the step under way
+    finished or aborted, the committed steps are checkpointed, the sites were told."""
+
+
+class StopRequested(Exception):
+    """Raised where the step loop waits, once the operator asked to stop."""
 
 
 def wire_size(message) -> int:
@@ -165,11 +173,10 @@ class StepResult:
 class Coordinator(cpb_grpc.CoordinatorServicer):
     def __init__(self, config: ServerConfig):
         self.config = config
-        workload = load_workload(config.workload.spec, config.workload.path, **config.workload.options, **config.workload.coordinator_options)
+        self.replica = build_replica(config)
+        workload, self.strategy = self.replica.workload, self.replica.strategy
         self.eval_metrics = ("loss", workload.metric_name)
-        self.strategy = make_strategy(config.strategy.name, **config.strategy.options)
         self.label = strategy_label(config.strategy.name, config.strategy.options, config.strategy.label)
-        self.replica = Replica(workload, self.strategy, config.optimizer, probe=True)
         self.layout = self.replica.layout
         self.codec = codec_id(config.wire.codec)
         federation = config.federation
@@ -204,6 +211,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         self.links: dict[str, SiteLink] = {}
         self.arrivals: asyncio.Queue = asyncio.Queue()  # links with a new event, shared by all (see links.py)
         self.changed = asyncio.Event()
+        self.stop_requested = False  # request_stop(): the loop stops before the next step or attempt
         self.finished = False
         self.known_sites: set[str] = set()  # every site that took part in this server's run
         self.told_finished: set[str] = set()
@@ -532,7 +540,10 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                     if attempt and self.privacy and (reason := self.privacy.stop_reason()):  # the aborted attempt's release counted
                         raise RunStopped(f"step {self.step} cannot be retried: {reason}")
                     need = (self.config.federation.initial_sites or self.config.federation.min_sites) if first else self.config.federation.min_sites
-                    participants = await self._quorum(need)
+                    try:
+                        participants = await self._quorum(need)
+                    except StopRequested:
+                        await self._stop()
                     started = time.perf_counter()
                     self.step_refusals = set()
                     reset = self._strategy_state_reset(participants)
@@ -559,6 +570,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             link.finish()
             self.told_finished.add(link.site_id)
         log.info("run %s finished: %d steps, model in %s", self.run_id, steps, self.run_dir / checkpoint.FINAL_MODEL)
+        self.view.finished(steps)
         await asyncio.to_thread(self._write_report)  # the sites already know the run is over
         await self._linger(finished_at_start)
 
@@ -581,15 +593,43 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                 if missing:
                     log.warning("%s did not reconnect after the run finished", ", ".join(sorted(missing)))
 
+    def request_stop(self) -> None:
+        """The operator's stop: the step under way finishes or aborts (bounded by
+        ``phase_timeout_s``), then :meth:`run` checkpoints, tells the sites and raises
+        :class:`StoppedByOperator`."""
+        self.stop_requested = True
+        self.changed.set()
+
+    async def _stop(self) -> NoReturn:
+        """Checkpoint the committed steps, tell every connected site why its stream ends."""
+        if self.step > self.checkpoint_step:
+            await asyncio.to_thread(self._save_checkpoint)
+        reason = (
+            f"the coordinator's operator stopped run {self.run_id} after {self.step} of {self.config.training.steps} steps; "
+            "it resumes from its checkpoint when the coordinator starts again"
+        )
+        for link in list(self.links.values()):
+            link.close(grpc.StatusCode.UNAVAILABLE, reason)
+        self.view.stopped(self.step)
+        saved = self.run_dir / checkpoint.CHECKPOINT
+        kept = f"checkpoint at step {self.checkpoint_step} in {saved}" if saved.exists() else "no step was committed, so no checkpoint"
+        raise StoppedByOperator(
+            f"run {self.run_id} stopped by the operator after {self.step} of {self.config.training.steps} steps; "
+            f"{kept}; start the server again to resume"
+        )
+
     async def _quorum(self, need: int) -> list[SiteLink]:
         """Wait for ``need`` connected sites; send the current state to new ones."""
         timeout = self.config.federation.quorum_timeout_s
         deadline = time.monotonic() + timeout
         while True:
+            if self.stop_requested:
+                raise StopRequested
             self.changed.clear()
             live = sorted((link for link in self.links.values() if not link.closed), key=lambda link: link.site_id)
             if len(live) >= need:
                 break
+            self.view.waiting(len(live), need)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 names = ", ".join(link.site_id for link in live) or "none"
@@ -899,12 +939,16 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                 record.update({f"test_{k}": v for k, v in scores.items()})
         metrics.write(record)
         if self._checkpoints_after(step) or (self.privacy and self.privacy.stop_reason()):
-            await asyncio.to_thread(
-                checkpoint.save_checkpoint, self.run_dir, self.replica, self.step, self.run_id, self.identity,
-                {**self.half_at_step_start, **(self.privacy.state_dict() if self.privacy else {})},
-            )
-            self.checkpoint_step = self.step
+            await asyncio.to_thread(self._save_checkpoint)
         return record
+
+    def _save_checkpoint(self) -> None:
+        """Checkpoint the committed steps: the replica, the server half at the next step's start."""
+        checkpoint.save_checkpoint(
+            self.run_dir, self.replica, self.step, self.run_id, self.identity,
+            {**self.half_at_step_start, **(self.privacy.state_dict() if self.privacy else {})},
+        )
+        self.checkpoint_step = self.step
 
     def _checkpoints_after(self, step: int) -> bool:
         """Whether the server checkpoints once ``step`` is committed."""
@@ -931,5 +975,5 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         if self.privacy:
             summary.update(self.privacy.summary())
             log.info("run %s: (ε = %.3g, δ = %g)-differentially private", self.run_id, summary["dp_epsilon"], self.privacy.budget.delta)
-        (self.run_dir / "summary.json").write_text(json.dumps([summary], indent=2))
+        write_summary(self.run_dir / "summary.json", [summary])
         write_plots(self.run_dir)
