@@ -561,9 +561,9 @@ async def _take_part(site: Site, insecure: bool) -> SiteSummary:
                 "(connect.give_up_after_s, connect.max_attempts)"
             )
         pause = min(delay * (0.5 + random.random()), max(connect.give_up_after_s - waited, 0.0))  # jitter: sites that lost the server together do not return together
-        if site.summary.connections == failures and failures > 1:  # never reached yet: one line said so, the rest is detail
+        if site.run is None and failures > 1:  # no coordinator reached yet: one line said so, the rest is detail
             log.debug("site %s: %s; trying again in %.1f s (%d/%d)", config.site_id, reason, pause, failures, connect.max_attempts)
-        elif site.summary.connections == failures:
+        elif site.run is None:
             log.warning("site %s: the coordinator at %s is not reachable yet (%s); trying for up to %.0f s",
                         config.site_id, connect.server, reason, connect.give_up_after_s)
         else:

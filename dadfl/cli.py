@@ -185,6 +185,9 @@ app.command("server")(server_cli.server)
 app.command("enroll")(server_cli.enroll)
 app.command("certs")(server_cli.certs)
 app.command("site")(client_cli.site)
+app.command("status")(server_cli.status)
+app.command("readmit")(server_cli.readmit)
+app.command("stop")(server_cli.stop)
 
 
 if __name__ == "__main__":
