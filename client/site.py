@@ -556,7 +556,7 @@ async def _take_part(site: Site, insecure: bool) -> SiteSummary:
         waited = time.monotonic() - since
         if failures >= connect.max_attempts or waited >= connect.give_up_after_s:
             raise GaveUp(
-                f"site {config.site_id}: gave up after {waited:.0f} s and {failures} attempts to reach the coordinator at "
+                f"site {config.site_id}: gave up after {waited:.0f} s and {failures} attempt{'s' if failures > 1 else ''} to reach the coordinator at "
                 f"{connect.server} (last: {reason}); check that it runs and listens there, then start the site again "
                 "(connect.give_up_after_s, connect.max_attempts)"
             )

@@ -113,7 +113,7 @@ class OperatorView:
             self.bar.update(self.task, description=f"waiting: {joined}/{needed} sites")
         if (joined, needed) != self.last_wait:
             self.last_wait = (joined, needed)
-            log.info("waiting for sites: %d/%d joined", joined, needed)
+            log.info("waiting for sites: %d of the %d needed are connected", joined, needed)
             self.status("waiting for sites", joined=joined, needed=needed)
 
     def status(self, phase: str, **facts) -> None:
