@@ -177,7 +177,8 @@ class SiteConfig(RunPolicy):
         None,
         description="where the site keeps its strategy state between steps, so a restarted site rejoins "
         "bit-identically ('dadfl site' defaults to <site_id>-state next to the config file; unset: memory only). "
-        "The states derive from the site's gradients: keep the folder as private as the data",
+        "The states derive from the site's gradients: keep the folder as private as the data. Its <site_id>/audit.jsonl "
+        "records every upload and code decision (dadfl/audit.py)",
     )
     evaluation: EvaluationData | None = Field(None, description="held-out data for federated evaluation; none: this site does not evaluate")
 

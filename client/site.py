@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -35,6 +36,8 @@ import grpc
 import torch
 from torch.utils.data import Dataset
 
+from dadfl.audit import FILE as AUDIT_FILE
+from dadfl.audit import AuditLog, code_identity, payload_entry
 from dadfl.metrics import is_eval_step
 from dadfl.privacy import poisson_cap
 from dadfl.protos import coordinator_pb2 as cpb
@@ -46,7 +49,7 @@ from dadfl.protos.state import load_state
 from dadfl.replica import Replica, resolve_device
 from dadfl.sanitize import REASON_CHARS, one_line
 from dadfl.strategies import Payload, weights_fingerprint
-from dadfl.workloads import Split
+from dadfl.workloads import BUILTIN, Split
 from dadfl.workloads.batches import PoissonBatches
 
 from .config import FileData, SiteConfig
@@ -301,6 +304,10 @@ class Session:
                 run.releases.charge()  # on disk before the upload goes out
             except BudgetSpent as exc:
                 raise PrivateRefusal(str(exc)) from None
+        self.site.audit(
+            "upload", run_id=run.config.run_id, coordinator=self.site.config.connect.server, attempt=self.step.attempt,
+            **payload_entry(payload), **({"dp": run.releases.spent()} if run.releases is not None else {}),
+        )  # on disk before the upload goes out
         chunks = encode_payload(
             payload, run.codec, run.config.chunk_bytes, kind=pb.PHASE,
             attempt=self.step.attempt, loss_sum=loss_sum, base_fingerprint=self.step.fingerprint,
@@ -353,12 +360,40 @@ class Site:
     summary: SiteSummary = field(default_factory=SiteSummary)
     data_file: Split | None = None  # data.path as read before connecting: every run trains on it
     ledger: PrivacyLedger | None = None  # what [dp] runs have spent of this site's records
+    audit_log: AuditLog | None = None  # <state_dir>/<site_id>/audit.jsonl: every upload and code decision (dadfl/audit.py)
+
+    def __post_init__(self) -> None:
+        if self.config.state_dir is not None and self.audit_log is None:
+            self.audit_log = AuditLog(self.config.state_dir / self.config.site_id / AUDIT_FILE)  # beside its privacy ledger
 
     def prepare(self, config: cpb.RunConfig) -> None:
-        """Build the replica and data stream for the server's run (once per run id)."""
+        """Build the replica and data stream for the server's run (once per run id); the
+        decision, allowed or refused, goes to the audit trail with the code it ran."""
         if self.run is not None and config == self.run.config:
             return  # a reconnect to the same run; any other config is checked and built anew
+        decision = {"run_id": config.run_id, "coordinator": self.config.connect.server, "workload": config.workload,
+                    "strategy": config.strategy, "dp": bool(config.dp)}
+        imported: list[str] = []  # the workload's module, once _prepare imported it
+        try:
+            self._prepare(config, imported)
+        except Exception as exc:
+            reason = exc.PUBLIC if isinstance(exc, PrivateRefusal) else one_line(str(exc), REASON_CHARS)
+            self.audit("workload", **decision, decision="refused", reason=reason, code=self._code(imported))
+            raise
+        self.audit("workload", **decision, decision="allowed", code=self._code(imported))
+
+    def audit(self, event: str, **fields) -> None:
+        if self.audit_log is not None:
+            self.audit_log.append(event, site=self.config.site_id, **fields)
+
+    @staticmethod
+    def _code(imported: list[str]) -> dict:
+        """The workload's code as imported here; empty when it was refused before its import."""
+        return code_identity(imported[0]) if imported and imported[0] in sys.modules else {}
+
+    def _prepare(self, config: cpb.RunConfig, imported: list[str]) -> None:
         checked = check_run_config(config, self.config, MAX_CHUNK_BYTES)  # before any workload code is imported
+        imported.append(BUILTIN.get(checked.workload, checked.workload).partition(":")[0])
         workload = build_workload(checked, self.config.limits, self.config.workload_path)
         privacy = checked.privacy
         replica = Replica(

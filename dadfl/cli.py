@@ -188,6 +188,9 @@ app.command("site")(client_cli.site)
 app.command("status")(server_cli.status)
 app.command("readmit")(server_cli.readmit)
 app.command("stop")(server_cli.stop)
+audit_app = typer.Typer(help="Audit trails: what left a site, and what happened at the coordinator.", no_args_is_help=True)
+audit_app.command("verify")(server_cli.audit_verify)
+app.add_typer(audit_app, name="audit")
 
 
 if __name__ == "__main__":

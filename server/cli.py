@@ -12,6 +12,10 @@ from typing import Optional
 
 import typer
 
+from dadfl.audit import FILE as AUDIT_FILE
+from dadfl.audit import AuditError, AuditLog
+from dadfl.audit import summary_lines as audit_summary
+from dadfl.audit import verify as verify_audit
 from dadfl.config import ConfigError, load_config
 from dadfl.failures import fail, set_debug, unexpected
 from dadfl.workloads import BUILTIN
@@ -107,6 +111,7 @@ def enroll(
             raise ValueError("name the site to enrol (e.g. `dadfl enroll hospital-a`), or pass --list")
         if revoke:
             revoke_site(settings.listen.tokens, site_id)
+            operator_record(settings.run_dir, "revoke", site=site_id)
             typer.echo(f"site {site_id} revoked in {settings.listen.tokens}: refused at every join; if connected, dropped at its next upload")
             return
         share = parse_share(demo_share) if demo_share else None
@@ -115,7 +120,8 @@ def enroll(
         check_workload(settings)
         issued = issue_site_certificate(ca_dir, site_id, cert_out) if cert else None
         token = issue_token(settings.listen.tokens, site_id, replace=replace, cert_serial=issued[2] if issued else None)
-    except (ConfigError, ValueError) as exc:
+        operator_record(settings.run_dir, "enroll", site=site_id, replace=replace, certificate=bool(issued))
+    except (ConfigError, ValueError, AuditError) as exc:
         fail(str(exc), 2, exc)
     site_cert = (ca_cert.parent / f"{site_id}.pem", ca_cert.parent / f"{site_id}.key") if issued else None
     if issued:
@@ -274,7 +280,8 @@ def readmit(
     try:
         settings = load_config(config, ServerConfig)
         entry = Quarantine(settings.run_dir, settings.federation.quarantine_after).readmit(site_id)
-    except (ConfigError, ValueError) as exc:
+        operator_record(settings.run_dir, "readmit", site=site_id)
+    except (ConfigError, ValueError, AuditError) as exc:
         fail(str(exc), 2, exc)
     typer.echo(f"site {site_id} re-admitted (it was quarantined at step {entry.get('step', '?')} after {entry.get('refusals', '?')} refusals); it may join at once")
 
@@ -287,9 +294,32 @@ def stop(
 
     Sends SIGTERM to the coordinator of the run folder and waits until it has stopped."""
     try:
-        typer.echo(stop_server(_run_dir(config, run_dir)))
-    except (ConfigError, ValueError) as exc:
+        folder = _run_dir(config, run_dir)
+        typer.echo(stop_server(folder, before=lambda: operator_record(folder, "stop")))
+    except (ConfigError, ValueError, AuditError) as exc:
         fail(str(exc), 1, exc)
+
+
+def operator_record(run_dir: Path, command: str, **fields) -> None:
+    """The operator's command in the coordinator's audit trail (``run_dir/audit.jsonl``), once
+    the run folder exists (an enrolment before the first run is in the tokens file alone)."""
+    import getpass
+
+    if not Path(run_dir).is_dir():
+        return
+    AuditLog(Path(run_dir) / AUDIT_FILE).append("operator", command=command, user=getpass.getuser(), **fields)
+
+
+def audit_verify(file: Path = typer.Argument(..., help="an audit.jsonl: a site's (state_dir/SITE_ID/audit.jsonl) or the coordinator's (in its run_dir)")) -> None:
+    """Check an audit trail's hash chain and print what it records (what left the site, to whom, when)."""
+    if not file.is_file():
+        fail(f"{file}: no such audit file", 2)
+    verified = verify_audit(file)
+    for line in audit_summary(verified):
+        typer.echo(line)
+    if verified.broken:
+        fail(f"{file}: the chain is broken: {verified.broken}; the {verified.lines} records before it are intact", 1)
+    typer.echo(f"{file}: {verified.lines} records, chain intact; last hash {verified.last_hash} (note it elsewhere: it anchors every record up to here)")
 
 
 def _run_dir(config: Path | None, run_dir: Path | None) -> Path:

@@ -108,12 +108,15 @@ def enrolled_lines(config: ServerConfig) -> list[str]:
     return lines
 
 
-def stop_server(run_dir: Path, wait_s: float = STOP_WAIT_S) -> str:
-    """``dadfl stop``: SIGTERM to the running coordinator, then wait until it says it stopped."""
+def stop_server(run_dir: Path, wait_s: float = STOP_WAIT_S, before=None) -> str:
+    """``dadfl stop``: SIGTERM to the running coordinator (``before()`` first, e.g. the audit
+    record), then wait until it says it stopped."""
     status = read_status(run_dir)
     pid = server_running(status)
     if pid is None:
         raise ValueError(f"no coordinator runs for {run_dir} (status: {status.get('phase') if status else 'none'}); nothing to stop")
+    if before is not None:
+        before()
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:

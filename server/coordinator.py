@@ -84,6 +84,8 @@ from typing import NoReturn
 import grpc
 from google.protobuf.message import DecodeError
 
+from dadfl.audit import FILE as AUDIT_FILE
+from dadfl.audit import AuditLog
 from dadfl.metrics import MetricsWriter, is_eval_step, read_metrics, run_summary, write_summary
 from dadfl.model_identity import line_hashes
 from dadfl.protos import coordinator_pb2 as cpb
@@ -116,6 +118,7 @@ HANDSHAKE_TIMEOUT_S = 120.0  # a site builds its replica between config and read
 MAX_HANDSHAKES = 64  # streams between hello and admission at once; more wait (RESOURCE_EXHAUSTED, the site retries)
 MAX_HANDSHAKE_MESSAGE_BYTES = 1024  # hello (site id, token) and ready (a fingerprint) are small
 MAX_ATTEMPTS_PER_STEP = 5
+MAX_REFUSALS_AUDITED_PER_MINUTE = 60  # any peer can cause a refused join: the audit trail records this many, then counts
 MAX_STATE_STEPS = 8  # a site keeps three saved strategy states; more in its ready message are ignored
 INLINE_BYTES = 1 << 20  # smaller work runs on the event loop: a hop to a worker thread costs more
 SKIP = object()  # an event that does not answer the current round
@@ -184,6 +187,8 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         self.run_dir = Path(config.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.quarantine = Quarantine(self.run_dir, config.federation.quarantine_after)
+        self.audit_log = AuditLog(self.run_dir / AUDIT_FILE)  # joins, refusals, quarantines, the operator's stop
+        self.refusals_audited = (0.0, 0, 0)  # (minute started, refusals recorded in it, refusals not recorded)
         self.step_refusals: set[str] = set()  # sites refused during the step under way
         self.identity = {
             "workload": [config.workload.spec, config.workload.options],
@@ -368,6 +373,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             check_client_certificate(context, enrolled, hello.site_id, self.config.listen.require_client_cert)
         except EnrolmentError as exc:
             log.warning("refused %s from %s: %s", hello.site_id, context.peer(), exc)
+            self._audit_refusal(site=hello.site_id, peer=context.peer(), reason=str(exc))
             await self._end_stream(context, grpc.StatusCode.UNAUTHENTICATED if exc.unknown else grpc.StatusCode.PERMISSION_DENIED, str(exc))
         except ValueError as exc:  # the tokens file was damaged after the server started
             log.error("cannot check the token of site %s: %s", hello.site_id, exc)
@@ -379,6 +385,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             quarantined = f"the coordinator cannot read its quarantine list: {exc}"
         if quarantined:
             log.warning("refused %s: quarantined", hello.site_id)
+            self._audit_refusal(site=hello.site_id, peer=context.peer(), reason="quarantined")
             await self._end_stream(context, grpc.StatusCode.PERMISSION_DENIED, quarantined)
         await context.write(cpb.ServerMessage(config=self.run_config()))
         # Even when the run is over: the site writes its ready, which must not meet a closed stream.
@@ -403,6 +410,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         self.links[link.site_id] = link
         self.changed.set()
         log.info("site %s joined from %s", link.site_id, link.peer)
+        self.audit("join", site=link.site_id, peer=link.peer, step=self.step)
         return link
 
     async def _tell_finished(self, context, site_id: str) -> None:
@@ -527,6 +535,8 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         steps = self.config.training.steps
         finished_at_start = self.step >= steps
         first = True
+        self.audit("run", action="resumed" if self.step else "started", step=self.step, steps=steps,
+                   workload=self.config.workload.spec, strategy=self.label, dp=self.config.dp is not None)
         with MetricsWriter(self.run_dir / "metrics.jsonl") as metrics, self.view:
             while self.step < steps:
                 if self.privacy and (reason := self.privacy.stop_reason()):
@@ -571,6 +581,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             self.told_finished.add(link.site_id)
         log.info("run %s finished: %d steps, model in %s", self.run_id, steps, self.run_dir / checkpoint.FINAL_MODEL)
         self.view.finished(steps)
+        self.audit("run", action="finished", steps=steps)
         await asyncio.to_thread(self._write_report)  # the sites already know the run is over
         await self._linger(finished_at_start)
 
@@ -593,6 +604,22 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                 if missing:
                     log.warning("%s did not reconnect after the run finished", ", ".join(sorted(missing)))
 
+    def audit(self, event: str, **fields) -> None:
+        self.audit_log.append(event, run_id=self.run_id, **fields)
+
+    def _audit_refusal(self, **fields) -> None:
+        """A refused join, recorded up to MAX_REFUSALS_AUDITED_PER_MINUTE a minute; the rest counted
+        in the next one recorded."""
+        started, recorded, skipped = self.refusals_audited
+        now = time.monotonic()
+        if now - started >= 60:
+            started, recorded = now, 0
+        if recorded >= MAX_REFUSALS_AUDITED_PER_MINUTE:
+            self.refusals_audited = (started, recorded, skipped + 1)
+            return
+        self.audit("refused", **fields, **({"refusals_not_recorded_before": skipped} if skipped else {}))
+        self.refusals_audited = (started, recorded + 1, 0)
+
     def request_stop(self) -> None:
         """The operator's stop: the step under way finishes or aborts (bounded by
         ``phase_timeout_s``), then :meth:`run` checkpoints, tells the sites and raises
@@ -611,6 +638,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         for link in list(self.links.values()):
             link.close(grpc.StatusCode.UNAVAILABLE, reason)
         self.view.stopped(self.step)
+        self.audit("run", action="stopped by the operator", step=self.step, checkpoint_step=self.checkpoint_step)
         saved = self.run_dir / checkpoint.CHECKPOINT
         kept = f"checkpoint at step {self.checkpoint_step} in {saved}" if saved.exists() else "no step was committed, so no checkpoint"
         raise StoppedByOperator(
@@ -742,7 +770,9 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         if link.closed:
             return
         link.close(grpc.StatusCode.INVALID_ARGUMENT, reason)
-        self.quarantine.refuse(link.site_id, self.step, reason)
+        self.audit("refused", site=link.site_id, step=self.step, reason=one_line(reason, REASON_CHARS))
+        if self.quarantine.refuse(link.site_id, self.step, reason):
+            self.audit("quarantined", site=link.site_id, step=self.step, reason=one_line(reason, REASON_CHARS))
 
     async def _screen(self, uploads: list, step: int, phase: int, messages: list) -> list | str:
         """The uploads that pass the strategy's checks and the influence bound (the rest are
