@@ -1,4 +1,4 @@
-"""The strategies as a Flower (``flwr`` 1.41) ServerApp/ClientApp pair, for sites that run Flower.
+"""The strategies as a Flower (``flwr`` 1.41 and 1.42) ServerApp/ClientApp pair, for sites that run Flower.
 
 A thin runtime: the strategy code does all the math, exactly as in the in-process
 simulation (``strategies.step.exchange`` is the loop mirrored here). One training step:
