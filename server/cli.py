@@ -52,8 +52,11 @@ def server(
                 typer.echo(f"ok: {line}")
             typer.echo(f"{config}: ready; `dadfl server --config {config}{' --insecure' if insecure else ''}` would listen on {settings.listen.address}")
             return
-        check_server(settings, insecure)  # before listening: no site waits for a server that cannot run
-        run_server(settings, insecure=insecure)
+        if insecure:
+            settings.require_plain_text_allowed()
+        else:
+            settings.require_tls()
+        run_server(settings, insecure=insecure)  # builds the workload as --check does (preflight.py), before it listens
     except ConfigError as exc:
         fail(str(exc), 2, exc)
     except (ValueError, OSError) as exc:

@@ -24,21 +24,22 @@ from .privacy import ServerPrivacy
 
 
 def build_replica(config: ServerConfig) -> Replica:
-    """The coordinator's replica, built as the run builds it; ValueError when it cannot be."""
+    """The coordinator's replica, built as the run builds it; ValueError naming the workload
+    and the strategy when it cannot be (the workload's own code may raise anything)."""
     workload = config.workload
-    built = load_workload(workload.spec, workload.path, **workload.options, **workload.coordinator_options)
-    strategy = make_strategy(config.strategy.name, **config.strategy.options)
-    return Replica(built, strategy, config.optimizer, probe=True)
+    try:
+        built = load_workload(workload.spec, workload.path, **workload.options, **workload.coordinator_options)
+        strategy = make_strategy(config.strategy.name, **config.strategy.options)
+        return Replica(built, strategy, config.optimizer, probe=True)
+    except Exception as exc:
+        raise ValueError(f"workload {workload.spec!r} with strategy {config.strategy.name!r} cannot run: {exc}") from None
 
 
 def check_workload(config: ServerConfig) -> str:
     """Build the run's replica (and the DP plan); one line saying what was built."""
-    try:
-        replica = build_replica(config)
-        if config.dp is not None:
-            ServerPrivacy(config.dp, config.training.batch_size, config.training.steps, replica.model, replica.workload.example(), Path(config.run_dir))
-    except Exception as exc:  # the workload's own code may raise anything; the run would fail the same way
-        raise ValueError(f"workload {config.workload.spec!r} with strategy {config.strategy.name!r} cannot run: {exc}") from None
+    replica = build_replica(config)
+    if config.dp is not None:
+        ServerPrivacy(config.dp, config.training.batch_size, config.training.steps, replica.model, replica.workload.example(), Path(config.run_dir))
     parameters = sum(p.numel() for p in replica.model.parameters())
     return f"workload {config.workload.spec} builds ({parameters:,} parameters) and {config.strategy.name} accepts it"
 
