@@ -32,6 +32,11 @@ Uploads that went ahead for a step that then aborted are dropped too (``_answer`
 last step's done is sent on its own.
 
 At the end the run folder gets ``summary.json`` and the plots ``dadfl sim`` writes.
+The operator's stop (:meth:`Coordinator.request_stop`: SIGTERM, Ctrl-C, ``dadfl stop``)
+is taken where the loop waits for a quorum, i.e. once the step under way has committed or
+aborted: the committed steps are checkpointed and every site is told why its stream ends.
+Joins, refusals, quarantines and the run's start, end or stop go to ``run_dir/audit.jsonl``
+(``dadfl/audit.py``).
 
 Dropouts: a site lost during phase 0 is left out and the step completes with the rest
 (the server half divides by the samples that arrived) if the quorum holds. A site lost
