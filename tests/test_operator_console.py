@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from dadfl.audit import verify
 from dadfl.client.site import GaveUp
 from dadfl.metrics import read_metrics, write_summary
 from dadfl.server.coordinator import StoppedByOperator
@@ -85,15 +86,15 @@ def test_the_live_line_fits_80_columns_and_counts_the_sites(tmp_path, monkeypatc
 def test_server_check_and_enroll_refuse_a_workload_that_cannot_run(tmp_path):
     (tmp_path / "no_example.py").write_text(NO_EXAMPLE)
     _, good = server_toml(tmp_path)
-    result = dadfl("server", "--config", str(good), "--check", "--insecure")
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "ok: workload digits-mlp builds" in result.stdout and "would listen on" in result.stdout
-
+    good = good.rename(tmp_path / "good.toml")
     config, bad = server_toml(tmp_path, workload={"spec": "no_example:model", "options": {}, "path": [str(tmp_path)]})
-    commands = (["server", "--config", str(bad), "--check", "--insecure"], ["enroll", "site-a", "--config", str(bad)])
+    commands = (["server", "--config", str(good), "--check", "--insecure"],
+                ["server", "--config", str(bad), "--check", "--insecure"], ["enroll", "site-a", "--config", str(bad)])
     running = [subprocess.Popen(dadfl_command(*command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for command in commands]
-    for command, process in zip(commands, running):
-        output, _ = process.communicate(timeout=60)
+    (checked, _), *refused = [process.communicate(timeout=60) for process in running]
+    assert running[0].returncode == 0, checked
+    assert "ok: workload digits-mlp builds" in checked and "would listen on" in checked
+    for command, process, (output, _) in zip(commands[1:], running[1:], refused):
         assert process.returncode == 2 and "neither example_input nor training data" in output, (command, output)
     assert "site-a" not in config.listen.tokens.read_text()  # no token issued for a run that cannot start
     assert not (tmp_path / "run" / "status.json").exists()  # --check wrote nothing
@@ -142,9 +143,13 @@ def test_status_list_readmit_and_stop_against_a_running_coordinator(tmp_path):
     output = (tmp_path / "server.log").read_text()
     assert server.returncode == 0, output[-3000:]
     assert "stopped by the operator after 0 of 4 steps; no step was committed" in output.strip().splitlines()[-1], output[-3000:]
-    after = dadfl("status", "--run-dir", str(config.run_dir))
-    assert "phase: stopped by the operator" in after.stdout and "quarantined: none" in after.stdout
-    assert dadfl("stop", "--run-dir", str(config.run_dir)).returncode == 1  # nothing runs any more
+    running = [subprocess.Popen(dadfl_command(command, "--run-dir", str(config.run_dir)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               for command in ("status", "stop")]
+    (after, _), (again, _) = [process.communicate(timeout=60) for process in running]
+    assert "phase: stopped by the operator" in after and "quarantined: none" in after, after
+    assert running[1].returncode == 1 and "nothing to stop" in again  # nothing runs any more
+    operator = [(r["event"], r.get("command"), r.get("action")) for r in verify(config.run_dir / "audit.jsonl").records]
+    assert operator == [("run", None, "started"), ("operator", "readmit", None), ("operator", "stop", None), ("run", None, "stopped by the operator")]
 
 
 def test_a_stop_mid_run_checkpoints_the_committed_steps_and_tells_the_sites(tmp_path, caplog):
