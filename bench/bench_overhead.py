@@ -217,7 +217,7 @@ def run_dadfl(n_sites: int, steps: int) -> list[float]:
                     {
                         "site_id": site_id, "token": tokens[site_id], "device": "cpu", "threads": 1,
                         "allowed_workloads": ["bench_overhead:tiny_workload"],
-                        "connect": {"server": endpoint, "backoff_initial_s": 0.2, "max_attempts": 100},
+                        "connect": {"server": endpoint, "backoff_initial_s": 0.2, "max_attempts": 100, "give_up_after_s": 1800},
                         "data": {"source": "partition", "site_index": index, "num_sites": n_sites},
                     },
                 )

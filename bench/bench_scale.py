@@ -74,7 +74,7 @@ def site_settings(folder: Path, endpoint: str, index: int, n_sites: int, token: 
     return {
         "site_id": f"site-{index:04d}", "token": token, "device": "cpu", "threads": 1,
         "allowed_workloads": [WORKLOAD],
-        "connect": {"server": endpoint, "backoff_initial_s": 0.5, "backoff_max_s": 5.0, "max_attempts": 1000},
+        "connect": {"server": endpoint, "backoff_initial_s": 0.5, "backoff_max_s": 5.0, "max_attempts": 1000, "give_up_after_s": 3600},
         "data": {"source": "partition", "site_index": index, "num_sites": n_sites},
     }
 

@@ -89,6 +89,11 @@ class ConnectConfig(StrictModel):
     backoff_initial_s: float = Field(0.5, gt=0)
     backoff_max_s: float = Field(10.0, gt=0)
     max_attempts: int = Field(30, ge=1, description="connection attempts in a row before the site gives up")
+    give_up_after_s: float = Field(
+        120.0, gt=0, description="how long the site keeps trying to reach a coordinator it cannot reach (never reached, "
+        "or lost since its last useful connection) before it gives up with one line; raise it for sites started long "
+        "before their coordinator"
+    )
 
     @field_validator("server")
     @classmethod
@@ -177,7 +182,8 @@ class SiteConfig(RunPolicy):
         None,
         description="where the site keeps its strategy state between steps, so a restarted site rejoins "
         "bit-identically ('dadfl site' defaults to <site_id>-state next to the config file; unset: memory only). "
-        "The states derive from the site's gradients: keep the folder as private as the data",
+        "The states derive from the site's gradients: keep the folder as private as the data. Its <site_id>/audit.jsonl "
+        "records every upload and code decision (dadfl/audit.py)",
     )
     evaluation: EvaluationData | None = Field(None, description="held-out data for federated evaluation; none: this site does not evaluate")
 

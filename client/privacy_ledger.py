@@ -246,3 +246,13 @@ class RunReleases:
 
     def charge(self) -> None:
         self.ledger.charge(self.run_id, self.noise_multiplier, self.sample_rate)
+
+    def spent(self) -> dict:
+        """For the audit trail: σ, the sampling rate, the uploads of this run counted, and with a
+        budget the ε this site's records have spent over every run."""
+        ledger = self.ledger
+        spent = {"noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate,
+                 "uploads_counted": ledger.steps.get((self.run_id, self.noise_multiplier, self.sample_rate), 0)}
+        if ledger.budget is not None and ledger.rdp is not None:
+            spent |= {"epsilon": max(rdp_epsilon(ledger.rdp, ledger.budget[1]), 0.0), "delta": ledger.budget[1]}
+        return spent

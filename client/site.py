@@ -28,12 +28,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import sys
+import time
 from dataclasses import dataclass, field
 
 import grpc
 import torch
 from torch.utils.data import Dataset
 
+from dadfl.audit import FILE as AUDIT_FILE
+from dadfl.audit import AuditLog, code_identity, payload_entry
 from dadfl.metrics import is_eval_step
 from dadfl.privacy import poisson_cap
 from dadfl.protos import coordinator_pb2 as cpb
@@ -45,7 +49,7 @@ from dadfl.protos.state import load_state
 from dadfl.replica import Replica, resolve_device
 from dadfl.sanitize import REASON_CHARS, one_line
 from dadfl.strategies import Payload, weights_fingerprint
-from dadfl.workloads import Split
+from dadfl.workloads import BUILTIN, Split
 from dadfl.workloads.batches import PoissonBatches
 
 from .config import FileData, SiteConfig
@@ -115,7 +119,7 @@ class ServerClosed(grpc.RpcError):
 
 
 class GaveUp(RuntimeError):
-    """The server stayed unreachable for ``connect.max_attempts`` attempts in a row."""
+    """The server stayed unreachable for ``connect.give_up_after_s`` seconds or ``connect.max_attempts`` attempts in a row."""
 
 
 class StateLost(RuntimeError):
@@ -300,6 +304,10 @@ class Session:
                 run.releases.charge()  # on disk before the upload goes out
             except BudgetSpent as exc:
                 raise PrivateRefusal(str(exc)) from None
+        self.site.audit(
+            "upload", run_id=run.config.run_id, coordinator=self.site.config.connect.server, attempt=self.step.attempt,
+            **payload_entry(payload), **({"dp": run.releases.spent()} if run.releases is not None else {}),
+        )  # on disk before the upload goes out
         chunks = encode_payload(
             payload, run.codec, run.config.chunk_bytes, kind=pb.PHASE,
             attempt=self.step.attempt, loss_sum=loss_sum, base_fingerprint=self.step.fingerprint,
@@ -340,8 +348,7 @@ class Session:
         if not is_eval_step(step, run.config.eval_every, run.config.steps):
             return None
         scores = run.replica.evaluate(run.held_out)
-        # counted from 1, as the coordinator's progress line counts the steps done
-        log.info("after step %d: held-out %s on %d samples", step + 1, ", ".join(f"{k} {v:.4f}" for k, v in scores.items()),
+        log.info("after step %d: held-out %s on %d samples", step, ", ".join(f"{k} {v:.4f}" for k, v in scores.items()),
                  len(run.held_out))
         return cpb.EvalReport(samples=len(run.held_out), metrics=scores)
 
@@ -353,12 +360,40 @@ class Site:
     summary: SiteSummary = field(default_factory=SiteSummary)
     data_file: Split | None = None  # data.path as read before connecting: every run trains on it
     ledger: PrivacyLedger | None = None  # what [dp] runs have spent of this site's records
+    audit_log: AuditLog | None = None  # <state_dir>/<site_id>/audit.jsonl: every upload and code decision (dadfl/audit.py)
+
+    def __post_init__(self) -> None:
+        if self.config.state_dir is not None and self.audit_log is None:
+            self.audit_log = AuditLog(self.config.state_dir / self.config.site_id / AUDIT_FILE)  # beside its privacy ledger
 
     def prepare(self, config: cpb.RunConfig) -> None:
-        """Build the replica and data stream for the server's run (once per run id)."""
+        """Build the replica and data stream for the server's run (once per run id); the
+        decision, allowed or refused, goes to the audit trail with the code it ran."""
         if self.run is not None and config == self.run.config:
             return  # a reconnect to the same run; any other config is checked and built anew
+        decision = {"run_id": config.run_id, "coordinator": self.config.connect.server, "workload": config.workload,
+                    "strategy": config.strategy, "dp": bool(config.dp)}
+        imported: list[str] = []  # the workload's module, once _prepare imported it
+        try:
+            self._prepare(config, imported)
+        except Exception as exc:
+            reason = exc.PUBLIC if isinstance(exc, PrivateRefusal) else one_line(str(exc), REASON_CHARS)
+            self.audit("workload", **decision, decision="refused", reason=reason, code=self._code(imported))
+            raise
+        self.audit("workload", **decision, decision="allowed", code=self._code(imported))
+
+    def audit(self, event: str, **fields) -> None:
+        if self.audit_log is not None:
+            self.audit_log.append(event, site=self.config.site_id, **fields)
+
+    @staticmethod
+    def _code(imported: list[str]) -> dict:
+        """The workload's code as imported here; empty when it was refused before its import."""
+        return code_identity(imported[0]) if imported and imported[0] in sys.modules else {}
+
+    def _prepare(self, config: cpb.RunConfig, imported: list[str]) -> None:
         checked = check_run_config(config, self.config, MAX_CHUNK_BYTES)  # before any workload code is imported
+        imported.append(BUILTIN.get(checked.workload, checked.workload).partition(":")[0])
         workload = build_workload(checked, self.config.limits, self.config.workload_path)
         privacy = checked.privacy
         replica = Replica(
@@ -527,6 +562,7 @@ async def _take_part(site: Site, insecure: bool) -> SiteSummary:
     """Join, and rejoin with backoff, until the run finishes (``run_site_async``)."""
     config, connect = site.config, site.config.connect
     failures, delay = 0, connect.backoff_initial_s
+    since = time.monotonic()  # the start of the current run of failed connections
     while True:
         steps_before = site.summary.steps
         try:
@@ -550,11 +586,22 @@ async def _take_part(site: Site, insecure: bool) -> SiteSummary:
         except StateLost as exc:
             reason = str(exc)
         if site.summary.steps > steps_before:
-            failures, delay = 0, connect.backoff_initial_s  # the connection was useful: start over
+            failures, delay, since = 0, connect.backoff_initial_s, time.monotonic()  # the connection was useful: start over
         failures += 1
-        if failures >= connect.max_attempts:
-            raise GaveUp(f"site {config.site_id}: {connect.server} unreachable {failures} times in a row (last: {reason})")
-        pause = delay * (0.5 + random.random())  # jitter: sites that lost the server together do not return together
-        log.warning("site %s: %s; reconnecting in %.1f s (%d/%d)", config.site_id, reason, pause, failures, connect.max_attempts)
+        waited = time.monotonic() - since
+        if failures >= connect.max_attempts or waited >= connect.give_up_after_s:
+            raise GaveUp(
+                f"site {config.site_id}: gave up after {waited:.0f} s and {failures} attempt{'s' if failures > 1 else ''} to reach the coordinator at "
+                f"{connect.server} (last: {reason}); check that it runs and listens there, then start the site again "
+                "(connect.give_up_after_s, connect.max_attempts)"
+            )
+        pause = min(delay * (0.5 + random.random()), max(connect.give_up_after_s - waited, 0.0))  # jitter: sites that lost the server together do not return together
+        if site.run is None and failures > 1:  # no coordinator reached yet: one line said so, the rest is detail
+            log.debug("site %s: %s; trying again in %.1f s (%d/%d)", config.site_id, reason, pause, failures, connect.max_attempts)
+        elif site.run is None:
+            log.warning("site %s: the coordinator at %s is not reachable yet (%s); trying for up to %.0f s",
+                        config.site_id, connect.server, reason, connect.give_up_after_s)
+        else:
+            log.warning("site %s: %s; reconnecting in %.1f s (%d/%d)", config.site_id, reason, pause, failures, connect.max_attempts)
         await asyncio.sleep(pause)
         delay = min(delay * 2, connect.backoff_max_s)

@@ -19,7 +19,7 @@ from dadfl.server.processes import simulate_processes
 
 from .config import ConfigError, load_config, validate_config
 from .failures import set_debug
-from .metrics import MetricsWriter
+from .metrics import MetricsWriter, write_summary
 from .privacy import EXACT_STRATEGIES
 from .replica import resolve_device
 from .report import by_strategy, human_bytes, suggested_ranks, write_plots
@@ -117,7 +117,7 @@ def sim(
         for spec in specs:
             task = bar.add_task(spec.display, total=settings.steps)
             summaries.append(runners[mode](settings, spec, metrics, lambda _: bar.advance(task)))
-    (run_dir / "summary.json").write_text(json.dumps(summaries, indent=2))
+    write_summary(run_dir / "summary.json", summaries)
     plots = write_plots(run_dir)
     console.print(summary_table(summaries, specs))
     for label, records in by_strategy(run_dir / "metrics.jsonl").items():
@@ -210,6 +210,12 @@ app.command("server")(server_cli.server)
 app.command("enroll")(server_cli.enroll)
 app.command("certs")(server_cli.certs)
 app.command("site")(client_cli.site)
+app.command("status")(server_cli.status)
+app.command("readmit")(server_cli.readmit)
+app.command("stop")(server_cli.stop)
+audit_app = typer.Typer(help="Audit trails: what left a site, and what happened at the coordinator.", no_args_is_help=True)
+audit_app.command("verify")(server_cli.audit_verify)
+app.add_typer(audit_app, name="audit")
 
 
 if __name__ == "__main__":

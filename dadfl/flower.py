@@ -1,4 +1,4 @@
-"""The strategies as a Flower (``flwr`` 1.41) ServerApp/ClientApp pair, for sites that run Flower.
+"""The strategies as a Flower (``flwr`` 1.41 and 1.42) ServerApp/ClientApp pair, for sites that run Flower.
 
 A thin runtime: the strategy code does all the math, exactly as in the in-process
 simulation (``strategies.step.exchange`` is the loop mirrored here). One training step:
@@ -114,7 +114,7 @@ from dadfl.workloads import Split, StepBatches, Workload, load_workload, partiti
 
 from .config import load_config, validate_config
 from .flower_policy import MAX_SETTINGS_CHARS, NodePolicy, cached_workload, check_settings, node_workload
-from .metrics import MetricsWriter, is_eval_step, run_summary
+from .metrics import MetricsWriter, is_eval_step, run_summary, write_summary
 from .model_identity import MAX_IDENTITY_CHARS, identity_text, read_identity_text
 from .replica import Replica, resolve_device
 from .simulation import Progress, SimulationConfig, StrategySpec, run_directory
@@ -939,7 +939,7 @@ def make_server_app() -> ServerApp:
         (run_dir / "config.json").write_text(json.dumps(settings.config.model_dump(mode="json"), indent=2))
         with MetricsWriter(run_dir / "metrics.jsonl") as metrics:
             summary = FlowerCoordinator(settings, grid, metrics, bounds=bounds).run()
-        (run_dir / "summary.json").write_text(json.dumps([summary], indent=2))
+        write_summary(run_dir / "summary.json", [summary])
         write_plots(run_dir)
         log.info("dadfl over Flower: %s -> %s", summary, run_dir)
 

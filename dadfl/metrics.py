@@ -105,6 +105,30 @@ def run_summary(records: list[dict], strategy: str, metric_name: str) -> dict:
     return summary
 
 
+def strict_json(value):
+    """``value`` with every NaN or infinite float as None: JSON as strict parsers read it
+    (``json.dumps`` would write bare ``NaN``, which is not JSON)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(item) for item in value]
+    return value
+
+
+def write_summary(path: str | Path, summaries: list[dict]) -> None:
+    """``summary.json``: the runs' summaries as strict JSON, a value there is none of (no
+    coordinator test set: ``metric`` and ``test_loss``) as ``null``."""
+    Path(path).write_text(json.dumps(strict_json(summaries), indent=2, allow_nan=False) + "\n")
+
+
+def read_summary(path: str | Path) -> list[dict]:
+    """The summaries :func:`write_summary` wrote, a ``null`` number as NaN again (as
+    :func:`run_summary` returns it), so callers can format and compare every figure."""
+    return [{key: math.nan if value is None else value for key, value in summary.items()} for summary in json.loads(Path(path).read_text())]
+
+
 def is_eval_step(step: int, eval_every: int, steps: int) -> bool:
     """Held-out evaluation after steps t with (t + 1) % eval_every == 0, and after the last;
     the coordinator and every site decide it alike."""

@@ -32,6 +32,11 @@ Uploads that went ahead for a step that then aborted are dropped too (``_answer`
 last step's done is sent on its own.
 
 At the end the run folder gets ``summary.json`` and the plots ``dadfl sim`` writes.
+The operator's stop (:meth:`Coordinator.request_stop`: SIGTERM, Ctrl-C, ``dadfl stop``)
+is taken where the loop waits for a quorum, i.e. once the step under way has committed or
+aborted: the committed steps are checkpointed and every site is told why its stream ends.
+Joins, refusals, quarantines and the run's start, end or stop go to ``run_dir/audit.jsonl``
+(``dadfl/audit.py``).
 
 Dropouts: a site lost during phase 0 is left out and the step completes with the rest
 (the server half divides by the samples that arrived) if the quorum holds. A site lost
@@ -84,7 +89,9 @@ from typing import NoReturn
 import grpc
 from google.protobuf.message import DecodeError
 
-from dadfl.metrics import MetricsWriter, is_eval_step, read_metrics, run_summary
+from dadfl.audit import FILE as AUDIT_FILE
+from dadfl.audit import AuditLog
+from dadfl.metrics import MetricsWriter, is_eval_step, read_metrics, run_summary, write_summary
 from dadfl.model_identity import line_hashes
 from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.protos import coordinator_pb2_grpc as cpb_grpc
@@ -92,10 +99,8 @@ from dadfl.protos import tensor_pb2 as pb
 from dadfl.protos.channel import PROTOCOL_VERSION
 from dadfl.protos.codec import PayloadAssembler, WireError, codec_id, encode_payload
 from dadfl.protos.state import state_payload
-from dadfl.replica import Replica
 from dadfl.sanitize import REASON_CHARS, one_line, printable
-from dadfl.strategies import make_strategy, weights_fingerprint
-from dadfl.workloads import load_workload
+from dadfl.strategies import weights_fingerprint
 
 from . import checkpoint
 from .config import ServerConfig
@@ -103,6 +108,7 @@ from .certs import check_client_certificate
 from .enrol import SITE_ID_PATTERN, SITE_ID_RULE, Enrolment, EnrolmentError, token_hash, verify
 from .evaluation import EvalRejected, SiteEval, check_report, combine
 from .links import FINISH, GRPC_FRAME_BYTES, Close, Closed, Done, Encoded, SiteLink, SyncRequest, Upload
+from .preflight import build_replica
 from .privacy import ServerPrivacy, split_state
 from .progress import OperatorView
 from .quarantine import Quarantine
@@ -117,6 +123,7 @@ HANDSHAKE_TIMEOUT_S = 120.0  # a site builds its replica between config and read
 MAX_HANDSHAKES = 64  # streams between hello and admission at once; more wait (RESOURCE_EXHAUSTED, the site retries)
 MAX_HANDSHAKE_MESSAGE_BYTES = 1024  # hello (site id, token) and ready (a fingerprint) are small
 MAX_ATTEMPTS_PER_STEP = 5
+MAX_REFUSALS_AUDITED_PER_MINUTE = 60  # any peer can cause a refused join: the audit trail records this many, then counts
 MAX_STATE_STEPS = 8  # a site keeps three saved strategy states; more in its ready message are ignored
 INLINE_BYTES = 1 << 20  # smaller work runs on the event loop: a hop to a worker thread costs more
 SKIP = object()  # an event that does not answer the current round
@@ -124,6 +131,15 @@ SKIP = object()  # an event that does not answer the current round
 
 class RunStopped(RuntimeError):
     """The run cannot go on (no quorum in time, a step failing again and again)."""
+
+
+class StoppedByOperator(Exception):
+    """The operator stopped the run (SIGTERM, Ctrl-C, ``dadfl stop``): the step under way
+    finished or aborted, the committed steps are checkpointed, the sites were told."""
+
+
+class StopRequested(Exception):
+    """Raised where the step loop waits, once the operator asked to stop."""
 
 
 def wire_size(message) -> int:
@@ -165,11 +181,10 @@ class StepResult:
 class Coordinator(cpb_grpc.CoordinatorServicer):
     def __init__(self, config: ServerConfig):
         self.config = config
-        workload = load_workload(config.workload.spec, config.workload.path, **config.workload.options, **config.workload.coordinator_options)
+        self.replica = build_replica(config)
+        workload, self.strategy = self.replica.workload, self.replica.strategy
         self.eval_metrics = ("loss", workload.metric_name)
-        self.strategy = make_strategy(config.strategy.name, **config.strategy.options)
         self.label = strategy_label(config.strategy.name, config.strategy.options, config.strategy.label)
-        self.replica = Replica(workload, self.strategy, config.optimizer, probe=True, precision=config.training.precision)
         self.layout = self.replica.layout
         self.codec = codec_id(config.wire.codec)
         federation = config.federation
@@ -183,6 +198,8 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         self.run_dir = Path(config.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.quarantine = Quarantine(self.run_dir, config.federation.quarantine_after)
+        self.audit_log = AuditLog(self.run_dir / AUDIT_FILE)  # joins, refusals, quarantines, the operator's stop
+        self.refusals_audited = (0.0, 0, 0)  # (minute started, refusals recorded in it, refusals not recorded)
         self.step_refusals: set[str] = set()  # sites refused during the step under way
         self.identity = {
             "workload": [config.workload.spec, config.workload.options],
@@ -212,6 +229,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         self.links: dict[str, SiteLink] = {}
         self.arrivals: asyncio.Queue = asyncio.Queue()  # links with a new event, shared by all (see links.py)
         self.changed = asyncio.Event()
+        self.stop_requested = False  # request_stop(): the loop stops before the next step or attempt
         self.finished = False
         self.known_sites: set[str] = set()  # every site that took part in this server's run
         self.told_finished: set[str] = set()
@@ -369,6 +387,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             check_client_certificate(context, enrolled, hello.site_id, self.config.listen.require_client_cert)
         except EnrolmentError as exc:
             log.warning("refused %s from %s: %s", hello.site_id, context.peer(), exc)
+            self._audit_refusal(site=hello.site_id, peer=context.peer(), reason=str(exc))
             await self._end_stream(context, grpc.StatusCode.UNAUTHENTICATED if exc.unknown else grpc.StatusCode.PERMISSION_DENIED, str(exc))
         except ValueError as exc:  # the tokens file was damaged after the server started
             log.error("cannot check the token of site %s: %s", hello.site_id, exc)
@@ -380,6 +399,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             quarantined = f"the coordinator cannot read its quarantine list: {exc}"
         if quarantined:
             log.warning("refused %s: quarantined", hello.site_id)
+            self._audit_refusal(site=hello.site_id, peer=context.peer(), reason="quarantined")
             await self._end_stream(context, grpc.StatusCode.PERMISSION_DENIED, quarantined)
         await context.write(cpb.ServerMessage(config=self.run_config()))
         # Even when the run is over: the site writes its ready, which must not meet a closed stream.
@@ -404,6 +424,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         self.links[link.site_id] = link
         self.changed.set()
         log.info("site %s joined from %s", link.site_id, link.peer)
+        self.audit("join", site=link.site_id, peer=link.peer, step=self.step)
         return link
 
     async def _tell_finished(self, context, site_id: str) -> None:
@@ -528,6 +549,8 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         steps = self.config.training.steps
         finished_at_start = self.step >= steps
         first = True
+        self.audit("run", action="resumed" if self.step else "started", step=self.step, steps=steps,
+                   workload=self.config.workload.spec, strategy=self.label, dp=self.config.dp is not None)
         with MetricsWriter(self.run_dir / "metrics.jsonl") as metrics, self.view:
             while self.step < steps:
                 if self.privacy and (reason := self.privacy.stop_reason()):
@@ -541,7 +564,10 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                     if attempt and self.privacy and (reason := self.privacy.stop_reason()):  # the aborted attempt's release counted
                         raise RunStopped(f"step {self.step} cannot be retried: {reason}")
                     need = (self.config.federation.initial_sites or self.config.federation.min_sites) if first else self.config.federation.min_sites
-                    participants = await self._quorum(need)
+                    try:
+                        participants = await self._quorum(need)
+                    except StopRequested:
+                        await self._stop()
                     started = time.perf_counter()
                     self.step_refusals = set()
                     reset = self._strategy_state_reset(participants)
@@ -568,6 +594,8 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             link.finish()
             self.told_finished.add(link.site_id)
         log.info("run %s finished: %d steps, model in %s", self.run_id, steps, self.run_dir / checkpoint.FINAL_MODEL)
+        self.view.finished(steps)
+        self.audit("run", action="finished", steps=steps)
         await asyncio.to_thread(self._write_report)  # the sites already know the run is over
         await self._linger(finished_at_start)
 
@@ -590,15 +618,60 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                 if missing:
                     log.warning("%s did not reconnect after the run finished", ", ".join(sorted(missing)))
 
+    def audit(self, event: str, **fields) -> None:
+        self.audit_log.append(event, run_id=self.run_id, **fields)
+
+    def _audit_refusal(self, **fields) -> None:
+        """A refused join, recorded up to MAX_REFUSALS_AUDITED_PER_MINUTE a minute; the rest counted
+        in the next one recorded."""
+        started, recorded, skipped = self.refusals_audited
+        now = time.monotonic()
+        if now - started >= 60:
+            started, recorded = now, 0
+        if recorded >= MAX_REFUSALS_AUDITED_PER_MINUTE:
+            self.refusals_audited = (started, recorded, skipped + 1)
+            return
+        self.audit("refused", **fields, **({"refusals_not_recorded_before": skipped} if skipped else {}))
+        self.refusals_audited = (started, recorded + 1, 0)
+
+    def request_stop(self) -> None:
+        """The operator's stop: the step under way finishes or aborts (bounded by
+        ``phase_timeout_s``), then :meth:`run` checkpoints, tells the sites and raises
+        :class:`StoppedByOperator`."""
+        self.stop_requested = True
+        self.changed.set()
+
+    async def _stop(self) -> NoReturn:
+        """Checkpoint the committed steps, tell every connected site why its stream ends."""
+        if self.step > self.checkpoint_step:
+            await asyncio.to_thread(self._save_checkpoint)
+        reason = (
+            f"the coordinator's operator stopped run {self.run_id} after {self.step} of {self.config.training.steps} steps; "
+            "it resumes from its checkpoint when the coordinator starts again"
+        )
+        for link in list(self.links.values()):
+            link.close(grpc.StatusCode.UNAVAILABLE, reason)
+        self.view.stopped(self.step)
+        self.audit("run", action="stopped by the operator", step=self.step, checkpoint_step=self.checkpoint_step)
+        saved = self.run_dir / checkpoint.CHECKPOINT
+        kept = f"checkpoint at step {self.checkpoint_step} in {saved}" if saved.exists() else "no step was committed, so no checkpoint"
+        raise StoppedByOperator(
+            f"run {self.run_id} stopped by the operator after {self.step} of {self.config.training.steps} steps; "
+            f"{kept}; start the server again to resume"
+        )
+
     async def _quorum(self, need: int) -> list[SiteLink]:
         """Wait for ``need`` connected sites; send the current state to new ones."""
         timeout = self.config.federation.quorum_timeout_s
         deadline = time.monotonic() + timeout
         while True:
+            if self.stop_requested:
+                raise StopRequested
             self.changed.clear()
             live = sorted((link for link in self.links.values() if not link.closed), key=lambda link: link.site_id)
             if len(live) >= need:
                 break
+            self.view.waiting(len(live), need)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 names = ", ".join(link.site_id for link in live) or "none"
@@ -711,7 +784,9 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         if link.closed:
             return
         link.close(grpc.StatusCode.INVALID_ARGUMENT, reason)
-        self.quarantine.refuse(link.site_id, self.step, reason)
+        self.audit("refused", site=link.site_id, step=self.step, reason=one_line(reason, REASON_CHARS))
+        if self.quarantine.refuse(link.site_id, self.step, reason):
+            self.audit("quarantined", site=link.site_id, step=self.step, reason=one_line(reason, REASON_CHARS))
 
     async def _screen(self, uploads: list, step: int, phase: int, messages: list) -> list | str:
         """The uploads that pass the strategy's checks and the influence bound (the rest are
@@ -909,12 +984,16 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                 record.update({f"test_{k}": v for k, v in scores.items()})
         metrics.write(record)
         if self._checkpoints_after(step) or (self.privacy and self.privacy.stop_reason()):
-            await asyncio.to_thread(
-                checkpoint.save_checkpoint, self.run_dir, self.replica, self.step, self.run_id, self.identity,
-                {**self.half_at_step_start, **(self.privacy.state_dict() if self.privacy else {})},
-            )
-            self.checkpoint_step = self.step
+            await asyncio.to_thread(self._save_checkpoint)
         return record
+
+    def _save_checkpoint(self) -> None:
+        """Checkpoint the committed steps: the replica, the server half at the next step's start."""
+        checkpoint.save_checkpoint(
+            self.run_dir, self.replica, self.step, self.run_id, self.identity,
+            {**self.half_at_step_start, **(self.privacy.state_dict() if self.privacy else {})},
+        )
+        self.checkpoint_step = self.step
 
     def _checkpoints_after(self, step: int) -> bool:
         """Whether the server checkpoints once ``step`` is committed."""
@@ -941,5 +1020,5 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         if self.privacy:
             summary.update(self.privacy.summary())
             log.info("run %s: (ε = %.3g, δ = %g)-differentially private", self.run_id, summary["dp_epsilon"], self.privacy.budget.delta)
-        (self.run_dir / "summary.json").write_text(json.dumps([summary], indent=2))
+        write_summary(self.run_dir / "summary.json", [summary])
         write_plots(self.run_dir)

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from dadfl.metrics import MetricsWriter
+from dadfl.metrics import MetricsWriter, read_summary
 from dadfl.privacy import site_sample_rate
 from dadfl.simulation import SimulationConfig, StrategySpec
 
@@ -146,7 +146,7 @@ def simulate_processes(
         summary = folder / "run" / "summary.json"
         if not summary.exists():
             raise ProcessFailed(f"the coordinator exited without writing {summary.name}:\n{logs['coordinator'].read_text()[-3000:]}")
-        return json.loads(summary.read_text())[0]  # the coordinator's summary of its records (metrics.run_summary)
+        return read_summary(summary)[0]  # the coordinator's summary of its records (metrics.run_summary)
 
 
 def _follow(path: Path, processes: dict, logs: dict, metrics: MetricsWriter, progress) -> None:

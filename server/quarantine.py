@@ -3,8 +3,9 @@
 The coordinator counts each site's refused uploads (a check failed, its contribution out
 of bounds, bytes that do not decode). At ``federation.quarantine_after`` refusals the site
 is written to ``run_dir/quarantine.json`` and refused at every later join with
-PERMISSION_DENIED. The file is the operator's switch: deleting a site's entry re-admits
-it (read at each join, no restart needed), with its count back at zero.
+PERMISSION_DENIED. The file is the operator's switch: ``dadfl readmit SITE`` (or deleting a
+site's entry by hand) re-admits it (read at each join, no restart needed), with its count
+back at zero.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class Quarantine:
             return None
         return (
             f"site {site_id} is quarantined for this run after {entry.get('refusals', '?')} refused uploads "
-            f"(last: {entry.get('reason', '?')}); the operator re-admits it by removing it from {self.path}"
+            f"(last: {entry.get('reason', '?')}); the operator re-admits it with `dadfl readmit {site_id}`"
         )
 
     def refuse(self, site_id: str, step: int, reason: str) -> bool:
@@ -57,8 +58,21 @@ class Quarantine:
             return False
         entries = self.entries()
         entries[site_id] = {"refusals": count, "step": step, "reason": reason}
+        self._write(entries)
+        log.warning("site %s quarantined after %d refused uploads; re-admit it with `dadfl readmit %s`", site_id, count, site_id)
+        return True
+
+    def readmit(self, site_id: str) -> dict:
+        """The operator's re-admission: remove ``site_id``'s entry; returns it. A running
+        coordinator admits the site at its next join."""
+        entries = self.entries()
+        if site_id not in entries:
+            raise ValueError(f"site {site_id!r} is not quarantined in {self.path}; quarantined: {', '.join(entries) or 'none'}")
+        entry = entries.pop(site_id)
+        self._write(entries)
+        return entry
+
+    def _write(self, entries: dict[str, dict]) -> None:
         tmp = self.path.with_name(FILE + ".tmp")
         tmp.write_text(json.dumps(entries, indent=2) + "\n")
         os.replace(tmp, self.path)
-        log.warning("site %s quarantined after %d refused uploads; re-admit it by removing it from %s", site_id, count, self.path)
-        return True

@@ -26,8 +26,11 @@ ENDPOINT_FILE = "endpoint"  # "host:port" the server listens on, written once it
 STOP_GRACE_S = 2.0
 
 
-async def serve(config: ServerConfig, insecure: bool = False, on_listening: Callable[[str], None] | None = None) -> None:
-    """Listen, run the federation to its last step, stop. TLS unless ``insecure``."""
+async def serve(
+    config: ServerConfig, insecure: bool = False, on_listening: Callable[[str], None] | None = None, stop: asyncio.Event | None = None,
+) -> None:
+    """Listen, run the federation to its last step, stop. TLS unless ``insecure``. Once
+    ``stop`` is set the coordinator stops cleanly (:meth:`Coordinator.request_stop`)."""
     credentials = None
     if insecure:
         config.require_plain_text_allowed()
@@ -59,11 +62,19 @@ async def serve(config: ServerConfig, insecure: bool = False, on_listening: Call
     log.info("coordinator listening on %s (%s), run folder %s", endpoint, security, config.run_dir)
     if on_listening:
         on_listening(endpoint)
+    stopper = asyncio.create_task(_stop_when_set(stop, coordinator)) if stop is not None else None
     try:
         await coordinator.run()
     finally:
+        if stopper is not None:
+            stopper.cancel()
         endpoint_file.unlink(missing_ok=True)
         await server.stop(STOP_GRACE_S)
+
+
+async def _stop_when_set(stop: asyncio.Event, coordinator: Coordinator) -> None:
+    await stop.wait()
+    coordinator.request_stop()
 
 
 def add_coordinator(coordinator: Coordinator, server: grpc.aio.Server) -> None:
@@ -76,18 +87,23 @@ def add_coordinator(coordinator: Coordinator, server: grpc.aio.Server) -> None:
 
 
 def run_server(config: ServerConfig, insecure: bool = False) -> None:
-    """``serve`` until the run ends; Ctrl-C raises KeyboardInterrupt once the server has stopped."""
+    """``serve`` until the run ends; SIGTERM or a first Ctrl-C stops it cleanly
+    (:class:`StoppedByOperator` once the sites are told), a second Ctrl-C at once
+    (KeyboardInterrupt once the server has stopped)."""
     if config.threads:
         torch.set_num_threads(config.threads)
     asyncio.run(_serve_until_interrupted(config, insecure))
 
 
 async def _serve_until_interrupted(config: ServerConfig, insecure: bool) -> None:
-    """On Ctrl-C, ``serve`` is cancelled, stops the gRPC server (which cancels the sites'
-    streams) and the streams' own tasks are let finish before the loop closes: cancelled by
-    asyncio.run's cleanup instead, gRPC logs each as an unhandled CancelledError with its
-    traceback. A second Ctrl-C interrupts at once."""
+    """SIGTERM (``dadfl stop``, a service manager, ``docker stop``) and a first Ctrl-C set
+    ``stop``: the coordinator finishes or aborts the step under way, checkpoints and tells
+    the sites (``Coordinator.request_stop``). A second Ctrl-C cancels ``serve``, which stops
+    the gRPC server (which cancels the sites' streams) and the streams' own tasks are let
+    finish before the loop closes: cancelled by asyncio.run's cleanup instead, gRPC logs each
+    as an unhandled CancelledError with its traceback."""
     loop, main = asyncio.get_running_loop(), asyncio.current_task()
+    stop = asyncio.Event()
     interrupted = False
 
     def interrupt() -> None:
@@ -96,9 +112,16 @@ async def _serve_until_interrupted(config: ServerConfig, insecure: bool) -> None
         loop.remove_signal_handler(signal.SIGINT)
         main.cancel()
 
-    loop.add_signal_handler(signal.SIGINT, interrupt)
+    def request_stop(name: str) -> None:
+        if not stop.is_set():
+            log.warning("%s: stopping after the step under way (checkpoint, then the sites are told); Ctrl-C again stops at once", name)
+        stop.set()
+        loop.add_signal_handler(signal.SIGINT, interrupt)
+
+    loop.add_signal_handler(signal.SIGINT, request_stop, "Ctrl-C")
+    loop.add_signal_handler(signal.SIGTERM, request_stop, "SIGTERM")
     try:
-        await serve(config, insecure)
+        await serve(config, insecure, stop=stop)
     except asyncio.CancelledError:
         if not interrupted:
             raise
@@ -106,6 +129,8 @@ async def _serve_until_interrupted(config: ServerConfig, insecure: bool) -> None
         if others:
             await asyncio.wait(others, timeout=STOP_GRACE_S)
         raise KeyboardInterrupt from None
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -238,8 +238,8 @@ def test_operator_view_logs_progress_and_writes_tensorboard(tmp_path, caplog):
         view.step(step_record(2, **{"rank90/fc/update": 3.0, "rank99/fc/update": 4.0}))  # throttled
         view.step(step_record(3))  # the last step always logs
     lines = [r.getMessage() for r in caplog.records]
-    assert [line.split(":")[0] for line in lines] == ["step 1/4", "step 2/4", "step 4/4"]
-    assert "sites' held-out accuracy 0.8000 (after step 2)" in lines[1] and "1.0 KB up" in lines[0]
+    assert [line.split(":")[0] for line in lines] == ["step 0 (1/4 done)", "step 1 (2/4 done)", "step 3 (4/4 done)"]
+    assert "sites' held-out accuracy 0.8000 (after step 1)" in lines[1] and "1.0 KB up" in lines[0]
 
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()

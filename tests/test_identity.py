@@ -44,7 +44,7 @@ def mtls(tmp_path_factory):
 
 def test_site_without_a_certificate_is_refused_by_tls(mtls):
     tmp, certs, issued, server = mtls
-    with pytest.raises(GaveUp, match="unreachable 2 times.*Socket closed; if the coordinator requires client certificates.*set connect.client_cert"):
+    with pytest.raises(GaveUp, match="2 attempts to reach the coordinator.*Socket closed; if the coordinator requires client certificates.*set connect.client_cert"):
         run_site(tls_site(tmp, certs, "a", server.endpoint, 0, 1, token=issued["a"][2]))
 
 

@@ -159,6 +159,7 @@ def test_a_killed_private_coordinator_counts_every_release_and_never_reuses_nois
     import signal
     import subprocess
 
+    from dadfl.audit import verify
     from network_helpers import SiteThread, dadfl_command, free_port, server_config, site_config, write_toml
     from test_resume_exact import ENV, records, wait_for
 
@@ -212,6 +213,11 @@ def test_a_killed_private_coordinator_counts_every_release_and_never_reuses_nois
     for config, count in zip(sites, applied):
         [entry] = json.loads((tmp_path / "sites" / config.site_id / LEDGER_FILE).read_text())["entries"]
         assert entry["steps"] >= count and entry["noise_multiplier"] == 1.0
+        # ... and its audit trail recorded each of those uploads, with the count at that upload
+        audit = verify(tmp_path / "sites" / config.site_id / "audit.jsonl")
+        uploads = [r for r in audit.records if r["event"] == "upload"]
+        assert audit.broken is None and [u["dp"]["uploads_counted"] for u in uploads] == list(range(1, entry["steps"] + 1))
+        assert {u["dp"]["noise_multiplier"] for u in uploads} == {1.0}
 
 
 def test_the_coordinator_stops_before_a_step_would_pass_the_target_epsilon(tmp_path):

@@ -93,6 +93,28 @@ def test_enroll_demo_share_gives_a_partition_and_bad_shares_are_refused(tmp_path
     assert "c" not in json.loads((tmp_path / "tokens.json").read_text())["sites"], "a refused enrolment stores nothing"
 
 
+def test_enroll_writes_the_label_column_and_the_held_out_data(tmp_path):
+    server_toml = tmp_path / "server.toml"
+    server_toml.write_text(f'[listen]\naddress = "0.0.0.0:50051"\ntokens = "{tmp_path / "tokens.json"}"\n')
+
+    def enrolled(site_id: str, *options: str) -> SiteConfig:
+        result = CliRunner().invoke(app, ["enroll", site_id, "--config", str(server_toml), "--data", f"{site_id}.csv", *options])
+        assert result.exit_code == 0, result.output
+        return SiteConfig.model_validate(tomllib.loads(result.output))
+
+    site = enrolled("a", "--target-column", "diagnosis", "--held-out", "a-test.csv")
+    assert (site.data.target_column, str(site.evaluation.path), site.evaluation.fraction) == ("diagnosis", "a-test.csv", None)
+    site = enrolled("b", "--held-out", "0.3")
+    assert (site.data.target_column, site.evaluation.fraction) == ("target", 0.3)
+    assert enrolled("c", "--held-out", "none").evaluation is None
+    assert enrolled("d").evaluation.fraction == 0.2  # the default
+    for options, message in ((["--held-out", "1.5"], "strictly between 0 and 1"),
+                             (["--demo-share", "0/2", "--target-column", "y"], "--target-column names the label column")):
+        result = CliRunner().invoke(app, ["enroll", "e", "--config", str(server_toml), *options])
+        assert result.exit_code == 2 and message in result.output, result.output
+    assert "e" not in json.loads((tmp_path / "tokens.json").read_text())["sites"]
+
+
 def test_unknown_sites_and_bad_tokens_are_refused_and_the_run_goes_on(tmp_path):
     server = ServerThread(server_config(tmp_path, training={"steps": 2}, federation={"min_sites": 1})).start()
     good = site_config(tmp_path, "good", server.endpoint, 0, 1)

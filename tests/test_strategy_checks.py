@@ -163,12 +163,14 @@ def test_quarantine_file_is_the_operators_switch(tmp_path):
     assert not quarantine.refuse("site-a", 3, "bad upload")
     assert quarantine.refusal("site-a") is None
     assert quarantine.refuse("site-a", 4, "bad upload")
-    assert "quarantined" in quarantine.refusal("site-a") and "quarantine.json" in quarantine.refusal("site-a")
+    assert "quarantined" in quarantine.refusal("site-a") and "dadfl readmit site-a" in quarantine.refusal("site-a")
     again = Quarantine(tmp_path, after=2)  # a restarted coordinator keeps it out
     assert again.refusal("site-a") is not None
-    (tmp_path / "quarantine.json").write_text("{}")  # the operator re-admits it
+    assert again.readmit("site-a") == {"refusals": 2, "step": 4, "reason": "bad upload"}  # `dadfl readmit site-a`
     assert again.refusal("site-a") is None and quarantine.refusal("site-a") is None
     assert not quarantine.refuse("site-a", 9, "bad upload")  # counting starts over
+    with pytest.raises(ValueError, match="not quarantined"):
+        again.readmit("site-a")
 
 
 def test_medians_of_the_others_match_the_median_taken_one_site_at_a_time():

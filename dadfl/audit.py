@@ -1,0 +1,207 @@
+"""Audit trails: append-only, hash-chained JSON lines at every party.
+
+What a data-protection officer asks of a site — what left it, when, to whom, under what
+code and what privacy budget — and of a coordinator — who joined, who was refused or
+quarantined, what the operator did — is answered by one file each: the site's
+``<state_dir>/<site_id>/audit.jsonl``, the coordinator's ``<run_dir>/audit.jsonl``.
+
+Each line is one JSON object: ``seq`` (0, 1, 2 ...), ``time`` (UTC, ISO 8601), ``event``,
+the event's fields, ``prev`` (the previous line's ``hash``; 64 zeros for the first) and
+``hash`` = SHA-256 of the line's other keys as canonical JSON (sorted keys, no spaces).
+Changing, inserting or deleting any line but the last breaks the chain at that line;
+``dadfl audit verify FILE`` recomputes it, names the first line that breaks it and prints
+what the file records. Cutting lines off the end leaves a valid shorter chain: the last
+hash ``verify`` prints, noted elsewhere (a ticket, an e-mail), anchors everything before it.
+
+Lines hold names, shapes, byte counts, ids and decisions — never a data value, a tensor's
+contents, a token or a key. Appends take an exclusive ``flock`` (the coordinator and the
+operator's commands write the same file) and are fsync'd before the call returns, so
+what is logged survives a crash; a file whose last line does not parse is damaged and
+nothing more is appended to it (:class:`AuditError`), as nothing should leave a site
+that its trail cannot record.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+FILE = "audit.jsonl"
+GENESIS = "0" * 64
+TAIL_BYTES = 1 << 20  # the last line is found in this much of the file's end
+ROLES = {"A": "activations", "D": "deltas", "grad": "gradients", "P": "factors", "Q": "factors", "buffer": "buffers"}
+
+
+class AuditError(RuntimeError):
+    """The audit file cannot be appended to (damaged, or not writable)."""
+
+
+def canonical(record: dict) -> bytes:
+    return json.dumps(record, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def line_hash(record: dict) -> str:
+    return hashlib.sha256(canonical({k: v for k, v in record.items() if k != "hash"})).hexdigest()
+
+
+class AuditLog:
+    """One party's audit file; :meth:`append` adds one chained, fsync'd line."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def append(self, event: str, **fields) -> dict:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a+b") as file:
+                fcntl.flock(file, fcntl.LOCK_EX)
+                prev, seq = self._tail(file)
+                record = {"seq": seq, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "event": event, **fields, "prev": prev}
+                record["hash"] = line_hash(record)
+                file.write(canonical(record) + b"\n")
+                file.flush()
+                os.fsync(file.fileno())
+        except OSError as exc:
+            raise AuditError(f"the audit file {self.path} cannot be written ({exc.strerror or type(exc).__name__})") from None
+        return record
+
+    def _tail(self, file) -> tuple[str, int]:
+        """(the last line's hash, the next seq)."""
+        size = file.seek(0, os.SEEK_END)
+        if size == 0:
+            return GENESIS, 0
+        file.seek(max(0, size - TAIL_BYTES))
+        tail = file.read()
+        if not tail.endswith(b"\n"):
+            raise AuditError(f"the audit file {self.path} ends in a cut line; `dadfl audit verify {self.path}` says where, archive it and start a new one")
+        try:
+            last = json.loads(tail[:-1].rsplit(b"\n", 1)[-1])
+            return last["hash"], last["seq"] + 1
+        except (ValueError, KeyError, TypeError):
+            raise AuditError(f"the last line of the audit file {self.path} is not an audit record; run `dadfl audit verify {self.path}`") from None
+
+
+def payload_entry(payload) -> dict:
+    """What one upload carries, without its values: per tensor the layer, the role in plain
+    words (activations, deltas, gradients, factors), shape and bytes."""
+    tensors = []
+    for key, tensor in payload.tensors.items():
+        layer, _, role = key.rpartition(":")
+        tensors.append({"layer": layer, "role": ROLES.get(role, role), "shape": list(tensor.shape), "bytes": tensor.numel() * tensor.element_size()})
+    return {"step": payload.step, "phase": payload.phase, "samples": payload.num_samples, "bytes": payload.nbytes(), "tensors": tensors}
+
+
+def code_identity(module_name: str) -> dict:
+    """The code a workload spec resolved to: its module's file's SHA-256 and, when the module
+    belongs to an installed distribution, that distribution's name and version."""
+    import sys
+    from importlib import metadata
+
+    module = sys.modules.get(module_name)
+    identity: dict = {"module": module_name}
+    source = getattr(module, "__file__", None)
+    if source:
+        identity["file_sha256"] = hashlib.sha256(Path(source).read_bytes()).hexdigest()
+    top = module_name.split(".")[0]
+    distributions = metadata.packages_distributions().get(top, [])
+    if distributions:
+        identity["distribution"] = distributions[0]
+        identity["version"] = metadata.version(distributions[0])
+    return identity
+
+
+# ---------------------------------------------------------------- verifying and summarising
+
+
+@dataclass
+class Verified:
+    lines: int = 0
+    last_hash: str = GENESIS
+    broken: str | None = None  # where and why the chain breaks; None: intact
+    events: dict[str, int] = field(default_factory=dict)
+    records: list[dict] = field(default_factory=list)
+
+
+def verify(path: str | Path) -> Verified:
+    """Recompute the chain of ``path``; stop at the first line that breaks it."""
+    result, prev = Verified(), GENESIS
+    with open(path, "rb") as file:
+        for number, raw in enumerate(file, start=1):
+            where = f"line {number}"
+            if not raw.endswith(b"\n"):
+                result.broken = f"{where} is cut short (no newline): a write that did not finish, or a cut file"
+                break
+            try:
+                record = json.loads(raw)
+                ok = isinstance(record, dict)
+            except ValueError:
+                ok = False
+            if not ok:
+                result.broken = f"{where} is not a JSON object"
+                break
+            if record.get("seq") != number - 1:
+                result.broken = f"{where} has seq {record.get('seq')!r}, expected {number - 1}: a line was removed or inserted before it"
+                break
+            if record.get("prev") != prev:
+                result.broken = f"{where} does not follow the line before it (prev differs): a line before it was changed, removed or inserted"
+                break
+            if record.get("hash") != line_hash(record):
+                result.broken = f"{where} was changed after it was written (its hash does not match its contents)"
+                break
+            prev = record["hash"]
+            result.lines, result.last_hash = number, prev
+            result.events[record.get("event", "?")] = result.events.get(record.get("event", "?"), 0) + 1
+            result.records.append(record)
+    return result
+
+
+def summary_lines(verified: Verified) -> list[str]:
+    """What the file records, for a reader who is not an engineer."""
+    lines = []
+    records = verified.records
+    if records:
+        lines.append(f"{verified.lines} records from {records[0]['time']} to {records[-1]['time']}")
+    for record in records:
+        if record["event"] == "workload":
+            code = record.get("code", {})
+            version = f"{code.get('distribution')} {code.get('version')}" if code.get("version") else f"file sha256 {code.get('file_sha256', '?')[:16]}…"
+            lines.append(f"{record['time']} run {record.get('run_id')}: workload {record.get('workload')} {record.get('decision')} "
+                         f"({version}; strategy {record.get('strategy')}" + (f"; {record['reason']}" if record.get("reason") else "") + ")")
+    runs: dict[str, dict] = {}
+    for record in records:
+        if record["event"] != "upload":
+            continue
+        run = runs.setdefault(record.get("run_id", "?"), {"to": record.get("coordinator"), "uploads": 0, "bytes": 0, "steps": set(), "what": {}, "dp": None, "first": record["time"]})
+        run["uploads"] += 1
+        run["bytes"] += record.get("bytes", 0)
+        run["steps"].add(record.get("step"))
+        run["last"] = record["time"]
+        for tensor in record.get("tensors", []):
+            run["what"].setdefault(tensor["role"], set()).add(tensor["layer"])
+        if record.get("dp"):
+            run["dp"] = record["dp"]
+    for run_id, run in runs.items():
+        steps = sorted(s for s in run["steps"] if isinstance(s, int))
+        what = "; ".join(f"{role} of {len(layers)} layer{'s' if len(layers) > 1 else ''} ({', '.join(sorted(layers))})" for role, layers in run["what"].items())
+        lines.append(f"run {run_id}: {run['uploads']} uploads to {run['to']} from {run['first']} to {run['last']}, steps {steps[0]}..{steps[-1]}, "
+                     f"{run['bytes']:,} bytes in all")
+        lines.append(f"  what left: {what or 'nothing'}; no raw records, labels or data values")
+        if run["dp"]:
+            dp = run["dp"]
+            lines.append(f"  differential privacy: σ = {dp.get('noise_multiplier')}, sampling rate {dp.get('sample_rate')}, "
+                         f"{dp.get('uploads_counted')} uploads counted" + (f", ε = {dp['epsilon']:.4g} at δ = {dp.get('delta')}" if dp.get("epsilon") is not None else ""))
+        else:
+            lines.append("  no differential privacy in this run")
+    for event in ("join", "refused", "quarantined", "readmitted", "operator", "run"):
+        if event in verified.events:
+            lines.append(f"{verified.events[event]} {event} record(s)")
+    for record in records:
+        if record["event"] in ("quarantined", "readmitted", "operator"):
+            detail = record.get("site") or record.get("command")
+            lines.append(f"{record['time']} {record['event']}: {detail}" + (f" ({record['reason']})" if record.get("reason") else ""))
+    return lines
