@@ -114,9 +114,13 @@ def _module(package: str, *args: str) -> list[str]:
 
 
 def simulate_processes(
-    config: SimulationConfig, spec: StrategySpec, metrics: MetricsWriter, progress: Callable[[int], None] | None = None
+    config: SimulationConfig, spec: StrategySpec, metrics: MetricsWriter, progress: Callable[[int], None] | None = None,
+    site_env: dict[int, dict[str, str]] | None = None,
 ) -> dict[str, Any]:
-    """Train one strategy with real processes; copy the coordinator's records into ``metrics``."""
+    """Train one strategy with real processes; copy the coordinator's records into ``metrics``.
+
+    ``site_env`` adds environment variables to the process of a site by index: e.g.
+    ``{1: {"ATEN_CPU_CAPABILITY": "default"}}`` runs site 1 on another machine's kernels."""
     with tempfile.TemporaryDirectory(prefix="dadfl-processes-") as tmp:
         folder = Path(tmp)
         server_toml, site_tomls = simulation_configs(config, spec, folder, f"127.0.0.1:{free_port()}")
@@ -124,15 +128,15 @@ def simulate_processes(
         logs: dict[str, Path] = {}
         processes: dict[str, subprocess.Popen] = {}
 
-        def start(name: str, command: list[str]) -> None:
+        def start(name: str, command: list[str], extra_env: dict[str, str] | None = None) -> None:
             logs[name] = folder / f"{name}.log"
             with logs[name].open("w") as log:
-                processes[name] = subprocess.Popen(command, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT)
+                processes[name] = subprocess.Popen(command, cwd=folder, env={**env, **(extra_env or {})}, stdout=log, stderr=subprocess.STDOUT)
 
         try:
             start("coordinator", _module("dadfl.server", "--config", str(server_toml), "--insecure"))
-            for site_toml in site_tomls:
-                start(site_toml.stem, _module("dadfl.client", "--config", str(site_toml), "--insecure"))
+            for index, site_toml in enumerate(site_tomls):
+                start(site_toml.stem, _module("dadfl.client", "--config", str(site_toml), "--insecure"), (site_env or {}).get(index))
             _follow(folder / "run" / "metrics.jsonl", processes, logs, metrics, progress)
         finally:
             for process in processes.values():
