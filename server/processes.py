@@ -66,9 +66,10 @@ def dp_sample_rate(config: SimulationConfig) -> float:
 
 
 def simulation_configs(config: SimulationConfig, spec: StrategySpec, folder: Path, address: str,
-                       site_address: str | None = None) -> tuple[Path, list[Path]]:
+                       site_address: str | None = None, site_devices: dict[int, str] | None = None) -> tuple[Path, list[Path]]:
     """The server config and one config per site, enrolled, in ``folder``. Sites connect to
-    ``site_address`` when given (a relay in front of the coordinator), else to ``address``."""
+    ``site_address`` when given (a relay in front of the coordinator), else to ``address``;
+    a site named in ``site_devices`` (by index) trains on that device instead of ``config.device``."""
     server = write_toml(
         folder / "server.toml",
         {
@@ -93,7 +94,7 @@ def simulation_configs(config: SimulationConfig, spec: StrategySpec, folder: Pat
                     "site_id": site_id,
                     "token": enroll(folder / "tokens.json", site_id),
                     "allowed_workloads": [config.workload],  # the simulation's own workload, built-in or not
-                    "device": config.device,
+                    "device": (site_devices or {}).get(index, config.device),
                     "threads": config.threads,
                     "workload_path": [str(p.resolve()) for p in config.workload_path],
                     # sites start with the coordinator and retry until it listens
@@ -115,15 +116,16 @@ def _module(package: str, *args: str) -> list[str]:
 
 def simulate_processes(
     config: SimulationConfig, spec: StrategySpec, metrics: MetricsWriter, progress: Callable[[int], None] | None = None,
-    site_env: dict[int, dict[str, str]] | None = None,
+    site_env: dict[int, dict[str, str]] | None = None, site_devices: dict[int, str] | None = None,
 ) -> dict[str, Any]:
     """Train one strategy with real processes; copy the coordinator's records into ``metrics``.
 
     ``site_env`` adds environment variables to the process of a site by index: e.g.
-    ``{1: {"ATEN_CPU_CAPABILITY": "default"}}`` runs site 1 on another machine's kernels."""
+    ``{1: {"ATEN_CPU_CAPABILITY": "default"}}`` runs site 1 on another machine's kernels;
+    ``site_devices`` puts a site on another device (``{1: "cuda"}``)."""
     with tempfile.TemporaryDirectory(prefix="dadfl-processes-") as tmp:
         folder = Path(tmp)
-        server_toml, site_tomls = simulation_configs(config, spec, folder, f"127.0.0.1:{free_port()}")
+        server_toml, site_tomls = simulation_configs(config, spec, folder, f"127.0.0.1:{free_port()}", site_devices=site_devices)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         logs: dict[str, Path] = {}
         processes: dict[str, subprocess.Popen] = {}
