@@ -34,6 +34,8 @@ import torch
 
 from .base import Payload
 
+CHUNK_ELEMENTS = 1 << 14  # 128 KB of float64 per temporary
+
 
 def float64_payload(payload: Payload) -> Payload:
     """``payload`` with every floating tensor widened to float64 (exactly); integers as they are."""
@@ -63,47 +65,60 @@ def canonical_step(optimizer: torch.optim.Optimizer, grads: dict[torch.Tensor, t
                     step(param, grads[param].to(torch.float64), optimizer.state[param], group)
 
 
+def _chunks(*tensors: torch.Tensor):
+    """Matching slices of ``CHUNK_ELEMENTS`` of the tensors' flat views (the whole tensors when
+    one is not contiguous): float64 temporaries the size of a chunk stay in cache, where whole
+    parameters' would be fresh allocations (measured 16x slower than torch's step on 1.1M)."""
+    if not all(t.is_contiguous() for t in tensors):
+        yield tensors
+        return
+    flats = [t.view(-1) for t in tensors]
+    for start in range(0, flats[0].numel(), CHUNK_ELEMENTS):
+        yield tuple(f[start : start + CHUNK_ELEMENTS] for f in flats)
+
+
 def _round_into(target: torch.Tensor, value: torch.Tensor) -> None:
     target.copy_(value.to(target.dtype))
 
 
 def _sgd(param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
     """torch.optim.SGD: g = ∇ + λw; b = μb + (1−τ)g (b = g at first); w −= η(g + μb if Nesterov else b)."""
-    weight = param.to(torch.float64)
-    if group["maximize"]:
-        grad = -grad
-    if group["weight_decay"]:
-        grad = grad + weight * group["weight_decay"]
     momentum = group["momentum"]
-    if momentum:
-        buffer = state.get("momentum_buffer")
-        if buffer is None:
-            buffer = grad
-            state["momentum_buffer"] = torch.empty_like(param)
-        else:
-            buffer = buffer.to(torch.float64) * momentum + grad * (1 - group["dampening"])
-        _round_into(state["momentum_buffer"], buffer)
-        grad = grad + buffer * momentum if group["nesterov"] else buffer
-    _round_into(param, weight - grad * group["lr"])
+    first = momentum and state.get("momentum_buffer") is None
+    if first:
+        state["momentum_buffer"] = torch.empty_like(param)
+    buffer = state["momentum_buffer"] if momentum else param  # param: a stand-in, never read without momentum
+    for w32, g, b32 in _chunks(param, grad.reshape(param.shape), buffer):
+        weight = w32.to(torch.float64)
+        if group["maximize"]:
+            g = -g
+        if group["weight_decay"]:
+            g = g + weight * group["weight_decay"]
+        if momentum:
+            b = g if first else b32.to(torch.float64) * momentum + g * (1 - group["dampening"])
+            _round_into(b32, b)
+            g = g + b * momentum if group["nesterov"] else b
+        _round_into(w32, weight - g * group["lr"])
 
 
 def _adam(param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
     """torch.optim.Adam: m = β₁m + (1−β₁)g; v = β₂v + (1−β₂)g²; w −= η/(1−β₁ᵗ) · m / (√v/√(1−β₂ᵗ) + ε)."""
-    weight = param.to(torch.float64)
-    if group["maximize"]:
-        grad = -grad
     if not state:
         state["step"] = torch.tensor(0.0, dtype=torch.float32)  # torch's: a float32 scalar on the CPU
         state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
     state["step"] += 1
     step = float(state["step"])
-    if group["weight_decay"]:
-        grad = grad + weight * group["weight_decay"]
     beta1, beta2 = group["betas"]
-    exp_avg = state["exp_avg"].to(torch.float64) * beta1 + grad * (1 - beta1)
-    exp_avg_sq = state["exp_avg_sq"].to(torch.float64) * beta2 + grad * grad * (1 - beta2)
-    _round_into(state["exp_avg"], exp_avg)
-    _round_into(state["exp_avg_sq"], exp_avg_sq)
-    denom = exp_avg_sq.sqrt() / math.sqrt(1 - beta2**step) + group["eps"]
-    _round_into(param, weight - exp_avg / denom * (group["lr"] / (1 - beta1**step)))
+    correction2, step_size = math.sqrt(1 - beta2**step), group["lr"] / (1 - beta1**step)
+    for w32, g, m32, v32 in _chunks(param, grad.reshape(param.shape), state["exp_avg"], state["exp_avg_sq"]):
+        weight = w32.to(torch.float64)
+        if group["maximize"]:
+            g = -g
+        if group["weight_decay"]:
+            g = g + weight * group["weight_decay"]
+        m = m32.to(torch.float64) * beta1 + g * (1 - beta1)
+        v = v32.to(torch.float64) * beta2 + g * g * (1 - beta2)
+        _round_into(m32, m)
+        _round_into(v32, v)
+        _round_into(w32, weight - m / (v.sqrt() / correction2 + group["eps"]) * step_size)
