@@ -4,7 +4,9 @@ Every participant holds a replica — each site (with local data) and the coordi
 (without). All of them start from the coordinator's weights (``load_weights_from``, or
 the state the coordinator sends) and apply the same decoded update with the same
 optimizer, so their weights stay bit-identical; the weights fingerprint checks it after
-every step.
+every step. Decode and optimizer step run in float64 and round once
+(``strategies/canonical.py``), so replicas on machines with other float kernels (another
+CPU, a BLAS build, a GPU) agree too.
 """
 
 from __future__ import annotations
