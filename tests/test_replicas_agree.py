@@ -59,7 +59,7 @@ def test_other_kernels_and_a_tampered_replica(tmp_path):
 def test_repair_restores_an_altered_replica_with_its_differing_blocks():
     server, site = replica(), replica()
     site.load_weights_from(server)
-    x = torch.randn(8, 64)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
     for r in (server, site):  # one step so that both hold momentum
         r.apply_update({name: torch.ones_like(p) for name, p in r.model.named_parameters()})
     with torch.no_grad():
