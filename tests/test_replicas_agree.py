@@ -18,7 +18,7 @@ from dadfl.protos.state import state_payload
 from dadfl.replica import OptimizerConfig, Replica
 from dadfl.server import simulate_processes
 from dadfl.simulation import SimulationConfig, StrategySpec
-from dadfl.strategies import make_strategy, weights_fingerprint
+from dadfl.strategies import exchange, make_strategy, weights_fingerprint
 from dadfl.workloads import load_workload
 
 from network_workloads import TAMPER_ENV
@@ -91,3 +91,20 @@ def test_a_repair_that_does_not_fit_is_refused_before_anything_is_written(key, t
     with pytest.raises(ValueError, match=error):
         apply_repair(target, type(state_payload(target, 0))(0, 0, 0, {**good, key: tensor}))
     assert weights_fingerprint(target.model) == before
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"))])
+@pytest.mark.parametrize("name", ["dad", "rankdad", "powersgd"])
+def test_a_replica_on_another_device_applies_steps_to_the_same_bits(name, device):
+    """Two sites' messages, computed on the CPU, applied by a CPU replica and by one on ``device``."""
+    workload = load_workload("digits-mlp", hidden=256)
+    cpu = Replica(workload, make_strategy(name), OptimizerConfig(momentum=0.9, weight_decay=1e-3))
+    other = Replica(workload, make_strategy(name), OptimizerConfig(momentum=0.9, weight_decay=1e-3), device=torch.device(device))
+    other.load_weights_from(cpu)
+    sites = [cpu.strategy.site(cpu.layout, cpu.model) for _ in range(2)]
+    server = cpu.strategy.server(cpu.layout, cpu.model)
+    train = workload.training_data()
+    for step in range(3):
+        locals_ = [cpu.local(train.inputs[i : i + 16], train.targets[i : i + 16]) for i in (32 * step, 32 * step + 16)]
+        messages, _ = exchange(sites, server, locals_, step)
+        assert other.apply(messages) == cpu.apply(messages), f"step {step}"
