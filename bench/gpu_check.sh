@@ -32,8 +32,8 @@ part() {  # part NAME SECONDS COMMAND...: run COMMAND under a time limit, record
     fi
 }
 
-part "CUDA tests" 150 "$PYTHON" -m pytest -q -k cuda tests/
-part "CUDA site beside a CPU site and a CPU coordinator, every strategy, $STEPS steps" 300 \
+part "CUDA tests" 120 "$PYTHON" -m pytest -q -k cuda tests/
+part "CUDA site beside a CPU site and a CPU coordinator, every strategy, $STEPS steps" 340 \
     "$PYTHON" -m bench.bench_kernels --cuda-site --check --sites 2 --steps "$STEPS"
 
 echo "== summary"
