@@ -43,4 +43,4 @@ def site(
         fail("interrupted", 130)
     except Exception as exc:
         unexpected(exc)
-    typer.echo(f"{settings.site_id}: {summary.steps} steps, {summary.resyncs} resyncs, {summary.connections} connections; {summary.finished}")
+    typer.echo(f"{settings.site_id}: {summary.steps} steps, {summary.repairs} block repairs, {summary.resyncs} full-state resyncs, {summary.connections} connections; {summary.finished}")

@@ -9,7 +9,9 @@ report the weights fingerprint. When the server's message of a step says ``next`
 site goes on by itself: it applies the update, begins the next step at once and sends its
 step_done with that step's upload (one round trip per step; the server checks the
 weights fingerprint on the upload). When its weights differ from the server's at an
-explicit step_begin it asks for the full state. Its strategy half's state is saved after every step
+explicit step_begin it sends the hashes of its state's blocks and the server answers with
+the blocks that differ (``protos/repair.py``); only when that does not restore the server's
+fingerprint does it ask for the full state. Its strategy half's state is saved after every step
 (``half_states.py``) and restored when the server begins a step the half is not at (a
 restarted coordinator replaying from its checkpoint, an aborted attempt, a restarted
 site). A dropped connection is retried with exponential backoff; refusals (unknown site,
@@ -45,6 +47,7 @@ from dadfl.protos import coordinator_pb2_grpc as cpb_grpc
 from dadfl.protos import tensor_pb2 as pb
 from dadfl.protos.channel import PROTOCOL_VERSION, channel_options
 from dadfl.protos.codec import PayloadAssembler, codec_id, encode_payload
+from dadfl.protos.repair import apply_repair, block_hashes
 from dadfl.protos.state import load_state
 from dadfl.replica import Replica, resolve_device
 from dadfl.sanitize import REASON_CHARS, one_line
@@ -130,6 +133,7 @@ class StateLost(RuntimeError):
 class SiteSummary:
     steps: int = 0  # steps this site completed
     resyncs: int = 0  # full states received because the weights differed
+    repairs: int = 0  # block repairs that restored the server's weights
     connections: int = 0
     fingerprint: str = ""
     finished: str = ""
@@ -247,6 +251,8 @@ class Session:
             if assembled is not None:
                 if assembled.header.kind == pb.STATE:
                     self.on_state(assembled.payload)
+                elif assembled.header.kind == pb.REPAIR:
+                    self.on_repair(assembled.payload, assembled.header.base_fingerprint)
                 else:
                     self.on_message(assembled.payload)
         elif kind == "step_begin":
@@ -271,12 +277,32 @@ class Session:
             self.site.summary.resyncs += 1
             self.start_step()
 
+    def on_repair(self, repair: Payload, fingerprint: str) -> None:
+        """The blocks of the server's state that differed here: apply them; ask for the full
+        state when the weights still differ."""
+        if not self.waiting_for_sync or self.step is None or fingerprint != self.step.fingerprint:
+            return  # the answer to a request of an aborted step: the next step_begin asks again
+        replica = self.site.run.replica
+        blocks = apply_repair(replica, repair)
+        self.site.summary.fingerprint = weights_fingerprint(replica.model)
+        if self.site.summary.fingerprint != fingerprint:
+            log.warning("step %d: %d repaired blocks left the weights at %s, asking for the full state",
+                        self.step.step, blocks, self.site.summary.fingerprint[:12])
+            self.send(sync_request=cpb.SyncRequest(step=self.step.step, fingerprint=self.site.summary.fingerprint))
+            return
+        log.info("step %d: repaired %d blocks of the state (%s)", self.step.step, blocks, fingerprint[:12])
+        self.waiting_for_sync = False
+        self.site.summary.repairs += 1
+        self.start_step()
+
     def on_step_begin(self, begin: cpb.StepBegin) -> None:
         self.step, self.messages = begin, []
         self.site.run.prepare_half(begin)
         if self.site.summary.fingerprint != begin.fingerprint:
             self.waiting_for_sync = True
-            self.send(sync_request=cpb.SyncRequest(step=begin.step, fingerprint=self.site.summary.fingerprint))
+            self.send(sync_request=cpb.SyncRequest(
+                step=begin.step, fingerprint=self.site.summary.fingerprint, block_hashes=block_hashes(self.site.run.replica),
+            ))
             return
         self.start_step()
 

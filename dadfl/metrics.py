@@ -102,6 +102,9 @@ def run_summary(records: list[dict], strategy: str, metric_name: str) -> dict:
     if all("wire_bytes_up" in r for r in records):  # measured on the network: the networked runtimes
         summary["wire_bytes_up_per_step"] = sum(r["wire_bytes_up"] for r in records) / steps
         summary["wire_bytes_down_per_step"] = sum(r["wire_bytes_down"] for r in records) / steps
+    if all("repair_bytes_by_site" in r for r in records):  # the networked runtime: replicas repaired
+        summary["repair_bytes"] = sum(sum(r["repair_bytes_by_site"].values()) for r in records)
+        summary["full_states"] = sum(sum(r["full_states_by_site"].values()) for r in records)
     return summary
 
 

@@ -4,7 +4,9 @@ Every participant holds a replica — each site (with local data) and the coordi
 (without). All of them start from the coordinator's weights (``load_weights_from``, or
 the state the coordinator sends) and apply the same decoded update with the same
 optimizer, so their weights stay bit-identical; the weights fingerprint checks it after
-every step.
+every step. Decode and optimizer step run in float64 and round once
+(``strategies/canonical.py``), so replicas on machines with other float kernels (another
+CPU, a BLAS build, a GPU) agree too.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 from dadfl.strategies import Layout, Payload, Strategy, apply_update, local_step, weights_fingerprint
 from dadfl.strategies.base import LocalResult, decode_message
 from dadfl.strategies.precision import check_precision
+from dadfl.strategies.canonical import float64_payload
 from dadfl.strategies.privacy import ClipPlan, clipped_local_step
 from dadfl.workloads import Split, Workload
 
@@ -129,13 +132,15 @@ class Replica:
         return self.apply_update(self.decode(messages))
 
     def decode(self, messages: Sequence[Payload]) -> dict[str, torch.Tensor]:
-        """The update the step's messages carry (the weights are not touched)."""
+        """The update the step's messages carry, in float64 on this replica's device
+        (``strategies/canonical.py``: replicas on other kernels agree); the weights are not touched."""
+        messages = [float64_payload(m.to(self.device)) for m in messages]
         if self.max_grad_norm is not None:  # the coordinator's dense noisy update
-            return decode_message(self.layout, messages[-1].to(self.device))
-        return self.strategy.decode(self.layout, [m.to(self.device) for m in messages], self.model)
+            return decode_message(self.layout, messages[-1])
+        return self.strategy.decode(self.layout, messages, self.model)
 
     def apply_update(self, update: dict[str, torch.Tensor]) -> str:
-        """Apply a decoded update; return the weights fingerprint."""
+        """Apply a decoded update (in float64, rounded once: ``canonical_step``); return the weights fingerprint."""
         apply_update(self.model, self.optimizer, update)
         return weights_fingerprint(self.model)
 

@@ -109,7 +109,7 @@ class FederationConfig(StrictModel):
         "the operator re-admits it by deleting its entry)"
     )
     max_eval_samples: int = Field(10_000_000, ge=1, description="largest held-out sample count a site may report")
-    sync_per_minute: int = Field(60, ge=1, description="full-state resends a site may ask for per minute (at most one per step)")
+    sync_per_minute: int = Field(60, ge=1, description="repairs a site may ask for per minute (per step: one block repair, then one full state)")
 
     _clip_ratio = field_validator("clip_ratio")(check_clip_ratio)
 

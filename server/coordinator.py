@@ -98,6 +98,7 @@ from dadfl.protos import coordinator_pb2_grpc as cpb_grpc
 from dadfl.protos import tensor_pb2 as pb
 from dadfl.protos.channel import PROTOCOL_VERSION
 from dadfl.protos.codec import PayloadAssembler, WireError, codec_id, encode_payload
+from dadfl.protos.repair import block_hashes, repair_payload
 from dadfl.protos.state import state_payload
 from dadfl.sanitize import REASON_CHARS, one_line, printable
 from dadfl.strategies import weights_fingerprint
@@ -247,6 +248,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         self.half_at_step_start = self.server_half.state_dict()  # restored after an aborted attempt
         self.went_ahead: set[SiteLink] = set()  # participants that began the next step by themselves
         self._state_encoded: tuple[tuple[int, str], list[Encoded]] | None = None  # _state_messages
+        self._block_hashes: tuple[tuple[int, str], list[int]] | None = None  # _resync
         self.going_on: set[SiteLink] = set()  # those of them whose uploads the next step takes
         self.view = OperatorView(  # made here: a missing TensorBoard stops the server before it listens
             config.training.steps, self.step, workload.metric_name, config.training.progress_every_s,
@@ -509,10 +511,11 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                 elif kind == "step_done":
                     link.deliver(done_event(message.step_done))
                 elif kind == "sync_request":
-                    if refusal := link.sync_refusal():
+                    request = message.sync_request
+                    if refusal := link.sync_refusal(full=not request.block_hashes):
                         link.close(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
                         break
-                    link.deliver(SyncRequest(message.sync_request.step, message.sync_request.fingerprint))
+                    link.deliver(SyncRequest(request.step, request.fingerprint, tuple(request.block_hashes)))
                 else:
                     link.close(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {kind or 'empty'} message after the handshake")
                     break
@@ -541,6 +544,29 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             )
             self._state_encoded = (version, [Encoded.of(cpb.ServerMessage(chunk=c)) for c in chunks])
         return self._state_encoded[1]
+
+    def _resync(self, link: SiteLink, request: SyncRequest) -> None:
+        """Send a site whose weights differ the blocks of the state that differ
+        (``protos/repair.py``), or the full state when it asks for it or its block list does
+        not line up with the server's; count the bytes as the site's repair bytes."""
+        version = (self.step, self.fingerprint)
+        if self._block_hashes is None or self._block_hashes[0] != version:
+            self._block_hashes = (version, block_hashes(self.replica))
+        own = self._block_hashes[1]
+        repair = repair_payload(self.replica, self.step, list(request.block_hashes), own) if request.block_hashes else None
+        if repair is None:
+            if request.block_hashes:
+                log.warning("site %s sent %d block hashes, the server's state has %d", link.site_id, len(request.block_hashes), len(own))
+            messages = self._state_messages()
+            link.full_states += 1
+        else:
+            chunks = encode_payload(repair, chunk_bytes=self.config.wire.chunk_bytes, kind=pb.REPAIR, base_fingerprint=self.fingerprint)
+            messages = [Encoded.of(cpb.ServerMessage(chunk=c)) for c in chunks]
+        nbytes = sum(m.wire_size() for m in messages)
+        link.repair_bytes += nbytes
+        what = "the full state" if repair is None else f"{len(repair.tensors)} of {len(own)} state blocks"
+        log.warning("site %s has weights %s, sending %s (%d bytes)", link.site_id, one_line(request.fingerprint, 12), what, nbytes)
+        self._send(link, *messages)
 
     # ------------------------------------------------------------------ the step loop
 
@@ -871,8 +897,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             log.warning("site %s lost during step %d phase %d: %s", link.site_id, step, phase, event.reason)
             return None
         if isinstance(event, SyncRequest):
-            log.warning("site %s has weights %s, resending the state", link.site_id, one_line(event.fingerprint, 12))
-            self._send(link, *self._state_messages())
+            self._resync(link, event)
             return SKIP
         header_step = (event.step, event.attempt) if isinstance(event, Done) else (event.payload.header.step, event.payload.header.attempt)
         if header_step < (step, attempt):
@@ -933,7 +958,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         if mismatched:
             log.warning("step %d: %s ended with different weights; they resync at the next step", step, ", ".join(mismatched))
         self.step += 1
-        self._state_encoded = None  # a new model version: the old state's encoding is not kept
+        self._state_encoded = self._block_hashes = None  # a new model version: the old state's encoding is not kept
         self.half_at_step_start = self.server_half.state_dict()
         for link in result.participants:
             if link.site_id in result.site_fingerprints:  # it saved its half's state before reporting done
@@ -946,6 +971,8 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         wire_down = {link.site_id: link.wire_down for link in result.participants}
         messages_up = {link.site_id: link.messages_up for link in result.participants}
         messages_down = {link.site_id: link.messages_down for link in result.participants}
+        repair_bytes = {link.site_id: link.repair_bytes for link in result.participants}
+        full_states = {link.site_id: link.full_states for link in result.participants}
         for link in result.participants:
             link.next_step_counts()
         record = {
@@ -965,6 +992,9 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             # gRPC messages: one each way per phase and site once steps follow by themselves
             "wire_messages_up_by_site": messages_up,
             "wire_messages_down_by_site": messages_down,
+            # sent because a site's weights differed (block repairs and full states), within wire_bytes_down
+            "repair_bytes_by_site": repair_bytes,
+            "full_states_by_site": full_states,
             "phase_seconds": result.phase_seconds,
             "site_ids": [link.site_id for link in result.participants],
             "attempt": attempt,

@@ -17,7 +17,9 @@ with RESOURCE_EXHAUSTED and the reason):
   a round starts (a ``step_begin``, or a phase message that lets the next step follow by
   itself), nothing queued before the previous round's start may still be waiting (an
   honest site has read it all before it could answer that round);
-- state resends: at most one per step (per ``step_begin``) and ``sync_per_minute`` per minute.
+- state resends: per step (per ``step_begin``) one block repair then one full state at most,
+  and ``sync_per_minute`` requests per minute; a block hash list at most as long as the
+  server's own (``protos/repair.py``).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class Done:
 class SyncRequest:
     step: int
     fingerprint: str
+    block_hashes: tuple[int, ...] = ()  # empty: the full state
 
 
 @dataclass(frozen=True)
@@ -183,6 +186,9 @@ class SiteLink:
     ahead_up: tuple[int, int] = (0, 0)  # (bytes, messages) of uploads for the next step, which began by itself
     state_steps: frozenset[int] = frozenset()  # steps at whose start the site can restore its strategy half
     sync_step: int = -1  # outbox.steps when the state was last resent
+    sync_full: bool = False  # whether that resend was the full state
+    repair_bytes: int = 0  # bytes of repairs and full states sent in this step because the weights differed
+    full_states: int = 0  # full states among them
     sync_times: deque = field(default_factory=deque)
 
     def __post_init__(self) -> None:
@@ -203,6 +209,7 @@ class SiteLink:
         """The step was committed: count from zero, with what already arrived for the next one."""
         (self.wire_up, self.messages_up), self.ahead_up = self.ahead_up, (0, 0)
         self.wire_down = self.messages_down = 0
+        self.repair_bytes = self.full_states = 0
 
     def deliver(self, event: Event) -> None:
         if not isinstance(event, Closed) and (reason := self.inbox.overflow(event)):
@@ -222,16 +229,17 @@ class SiteLink:
                 f"site {self.site_id} is more than one step behind in reading what the server sends",
             )
 
-    def sync_refusal(self) -> str | None:
-        """Why a state resend asked for now is refused (None: resend it); records the resend."""
-        if self.sync_step == self.outbox.steps:
-            return f"site {self.site_id} asked for the state again within one step (one resend per step)"
+    def sync_refusal(self, full: bool) -> str | None:
+        """Why a state resend asked for now (``full``: the full state, else a block repair) is
+        refused (None: resend it); records the resend."""
+        if self.sync_step == self.outbox.steps and (self.sync_full or not full):
+            return f"site {self.site_id} asked for the state again within one step (a block repair, then the full state, per step)"
         now = time.monotonic()
         while self.sync_times and now - self.sync_times[0] > SYNC_WINDOW_S:
             self.sync_times.popleft()
         if len(self.sync_times) >= self.sync_per_minute:
             return f"site {self.site_id} asked for the state more than {self.sync_per_minute} times in a minute (federation.sync_per_minute)"
-        self.sync_step = self.outbox.steps
+        self.sync_step, self.sync_full = self.outbox.steps, full
         self.sync_times.append(now)
         return None
 

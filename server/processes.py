@@ -66,9 +66,10 @@ def dp_sample_rate(config: SimulationConfig) -> float:
 
 
 def simulation_configs(config: SimulationConfig, spec: StrategySpec, folder: Path, address: str,
-                       site_address: str | None = None) -> tuple[Path, list[Path]]:
+                       site_address: str | None = None, site_devices: dict[int, str] | None = None) -> tuple[Path, list[Path]]:
     """The server config and one config per site, enrolled, in ``folder``. Sites connect to
-    ``site_address`` when given (a relay in front of the coordinator), else to ``address``."""
+    ``site_address`` when given (a relay in front of the coordinator), else to ``address``;
+    a site named in ``site_devices`` (by index) trains on that device instead of ``config.device``."""
     server = write_toml(
         folder / "server.toml",
         {
@@ -97,7 +98,7 @@ def simulation_configs(config: SimulationConfig, spec: StrategySpec, folder: Pat
                     "site_id": site_id,
                     "token": enroll(folder / "tokens.json", site_id),
                     "allowed_workloads": [config.workload],  # the simulation's own workload, built-in or not
-                    "device": config.device,
+                    "device": (site_devices or {}).get(index, config.device),
                     "threads": config.threads,
                     "workload_path": [str(p.resolve()) for p in config.workload_path],
                     # sites start with the coordinator and retry until it listens
@@ -118,25 +119,30 @@ def _module(package: str, *args: str) -> list[str]:
 
 
 def simulate_processes(
-    config: SimulationConfig, spec: StrategySpec, metrics: MetricsWriter, progress: Callable[[int], None] | None = None
+    config: SimulationConfig, spec: StrategySpec, metrics: MetricsWriter, progress: Callable[[int], None] | None = None,
+    site_env: dict[int, dict[str, str]] | None = None, site_devices: dict[int, str] | None = None,
 ) -> dict[str, Any]:
-    """Train one strategy with real processes; copy the coordinator's records into ``metrics``."""
+    """Train one strategy with real processes; copy the coordinator's records into ``metrics``.
+
+    ``site_env`` adds environment variables to the process of a site by index: e.g.
+    ``{1: {"ATEN_CPU_CAPABILITY": "default"}}`` runs site 1 on another machine's kernels;
+    ``site_devices`` puts a site on another device (``{1: "cuda"}``)."""
     with tempfile.TemporaryDirectory(prefix="dadfl-processes-") as tmp:
         folder = Path(tmp)
-        server_toml, site_tomls = simulation_configs(config, spec, folder, f"127.0.0.1:{free_port()}")
+        server_toml, site_tomls = simulation_configs(config, spec, folder, f"127.0.0.1:{free_port()}", site_devices=site_devices)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         logs: dict[str, Path] = {}
         processes: dict[str, subprocess.Popen] = {}
 
-        def start(name: str, command: list[str]) -> None:
+        def start(name: str, command: list[str], extra_env: dict[str, str] | None = None) -> None:
             logs[name] = folder / f"{name}.log"
             with logs[name].open("w") as log:
-                processes[name] = subprocess.Popen(command, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT)
+                processes[name] = subprocess.Popen(command, cwd=folder, env={**env, **(extra_env or {})}, stdout=log, stderr=subprocess.STDOUT)
 
         try:
             start("coordinator", _module("dadfl.server", "--config", str(server_toml), "--insecure"))
-            for site_toml in site_tomls:
-                start(site_toml.stem, _module("dadfl.client", "--config", str(site_toml), "--insecure"))
+            for index, site_toml in enumerate(site_tomls):
+                start(site_toml.stem, _module("dadfl.client", "--config", str(site_toml), "--insecure"), (site_env or {}).get(index))
             _follow(folder / "run" / "metrics.jsonl", processes, logs, metrics, progress)
         finally:
             for process in processes.values():

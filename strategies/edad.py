@@ -249,8 +249,9 @@ class EDAD(Strategy):
 
     def decode(self, layout: Layout, messages: Sequence[Payload], model: nn.Module | None = None) -> dict:
         message = messages[-1]
-        if self.downlink == "factors":
-            params = dict(model.named_parameters())
+        if self.downlink == "factors":  # the weights in the factors' dtype (float64 at a replica: canonical.py)
+            dtype = next(t.dtype for t in message.tensors.values() if t.is_floating_point())
+            params = {name: p.detach().to(dtype) for name, p in model.named_parameters()}
             full = recompute_deltas(feed_forward_chain(model, layout), params, message.tensors)
             message = Payload(message.step, message.phase, message.num_samples, full)
         return decode_message(layout, message)

@@ -19,6 +19,7 @@ import xxhash
 from torch import nn
 
 from .base import BUFFER_ROLE, LocalResult, Payload, ServerHalf, SiteHalf, Strategy, split_key
+from .canonical import canonical_step
 from .capture import local_step, per_sample_losses
 from .layout import Layout
 from .precision import autocast, scaled_backward
@@ -130,17 +131,19 @@ def reference_update(
 
 
 def apply_update(model: nn.Module, optimizer: torch.optim.Optimizer, update: dict[str, torch.Tensor]) -> None:
-    """Set every parameter's gradient to the update, step the optimizer, copy buffers."""
+    """Step the optimizer with the update as every parameter's gradient (``canonical_step``:
+    in float64, rounded once), copy buffers."""
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
+    grads = {}
     for key, value in update.items():
         name, role = split_key(key)
         if role == BUFFER_ROLE:
-            buffers[name].copy_(value)
+            with torch.no_grad():
+                buffers[name].copy_(value)
         else:
-            params[key].grad = value.to(params[key].dtype).clone()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+            grads[params[key]] = value
+    canonical_step(optimizer, grads)
 
 
 def weights_fingerprint(model: nn.Module) -> str:

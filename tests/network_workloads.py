@@ -75,3 +75,39 @@ class TwoPhase(Strategy):
 
     def upload_units(self, layout, facts, phase, step, model=None):
         return facts.dense_units(layout.params) + facts.buffer_units(layout.buffers) if phase in (0, 1) else None
+
+
+# ----------------------------------------------------------------------------- a replica altered at one site
+
+TAMPER_ENV = "DADFL_TEST_TAMPER_AT_CALL"
+
+
+def tampering_mlp(hidden: int = 16) -> Workload:
+    """The digits MLP; in a process whose environment sets ``TAMPER_ENV`` to k, the k-th
+    training forward call adds 1 to the output layer's first bias (a replica altered at one
+    site, as a bug or an operator would)."""
+    import dataclasses
+    import os
+
+    from dadfl.workloads.digits import mlp
+
+    workload = mlp(hidden=hidden)
+    tamper_at = int(os.environ.get(TAMPER_ENV, "0"))
+
+    def build() -> nn.Module:
+        model = workload.build_model()
+        calls = 0
+
+        def tamper(module: nn.Module, args) -> None:
+            nonlocal calls
+            if module.training and torch.is_grad_enabled():
+                calls += 1
+                if calls == tamper_at:
+                    with torch.no_grad():
+                        list(module.parameters())[-1][0] += 1.0
+
+        if tamper_at:
+            model.register_forward_pre_hook(tamper)
+        return model
+
+    return dataclasses.replace(workload, build_model=build)

@@ -67,7 +67,7 @@ def test_sync_flood_gets_one_resend_then_resource_exhausted(tmp_path, monkeypatc
     summary = flooder.join(60)
     server.join(30)
     assert caplog.text.count("flooder has weights") == 1, "one state resend for the whole flood"
-    assert "asked for the state again within one step (one resend per step)" in caplog.text
+    assert "asked for the state again within one step (a block repair, then the full state, per step)" in caplog.text
     assert summary.connections == 2 and summary.finished, "the flooder reconnected and heard the end"
 
 
