@@ -1,6 +1,6 @@
 """Mixed precision on every built-in workload (a benchmark, not a test).
 
-    python bench/bench_precision.py [--precision bf16] [--sites 4] [--batch-size 32]
+    python bench/bench_precision.py [--precision bf16] [--sites 4] [--batch-size 32] [--device cuda] [--check]
 
 One step of ``--sites`` sites (iid shares, ``--batch-size`` samples each, seed 0) at the given
 precision, per built-in workload. Printed as a Markdown table, per workload:
@@ -14,6 +14,10 @@ precision, per built-in workload. Printed as a Markdown table, per workload:
   and in fp32 (each against the reference of its own precision);
 - bytes: every site's factors (raw input allowed, so every captured layer shares them) at
   this precision over fp32's, and dAD's whole upload with the default raw-input guard.
+
+``--device`` runs models and batches there (autocast on that device); ``--check`` exits 1 when
+a layer travels dense for its dtype or dAD's or auto's error exceeds the tolerance
+(``bench/gpu_check.sh`` runs it on a CUDA device).
 """
 
 from __future__ import annotations
@@ -35,10 +39,10 @@ def max_relative_error(update: dict, reference: dict) -> float:
     return max(float((update[k].double() - r.double()).norm()) / max(float(r.double().norm()), floor) for k, r in reference.items())
 
 
-def batches_of(workload, sites: int, batch_size: int) -> list:
+def batches_of(workload, sites: int, batch_size: int, device: torch.device) -> list:
     train = workload.training_data()
     shares = partition(sites, len(train), "iid", labels=workload.labels, seed=0)
-    return [site_batches(train, share, batch_size, seed=s).at(0) for s, share in enumerate(shares)]
+    return [tuple(t.to(device) for t in site_batches(train, share, batch_size, seed=s).at(0)) for s, share in enumerate(shares)]
 
 
 def upload_bytes(strategy, model, loss, batches, precision: str) -> tuple[int, int]:
@@ -50,11 +54,11 @@ def upload_bytes(strategy, model, loss, batches, precision: str) -> tuple[int, i
     return factors, traffic.up_total
 
 
-def measure(name: str, precision: str, sites: int, batch_size: int) -> dict:
+def measure(name: str, precision: str, sites: int, batch_size: int, device: torch.device) -> dict:
     workload = load_workload(name)
     torch.manual_seed(0)
-    model = workload.build_model()
-    batches = batches_of(workload, sites, batch_size)
+    model = workload.build_model().to(device)
+    batches = batches_of(workload, sites, batch_size, device)
     layout = layout_for(model, batches[0], precision)
     dense_for_dtype = [p for p, why in layout.dense_reasons if any(w in why for w in DTYPE_WORDS)]
     reference = reference_update(model, workload.loss, batches, precision)
@@ -87,17 +91,25 @@ def main() -> None:
     parser.add_argument("--precision", default="bf16", choices=["bf16", "fp16"])
     parser.add_argument("--sites", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--check", action="store_true", help="exit 1 on a dense-for-dtype layer or an error above the tolerance")
     args = parser.parse_args()
+    device = torch.device(args.device)
     torch.set_num_threads(1)
     rtol = tolerance(compute_dtype(args.precision))
-    print(f"{args.precision}, {args.sites} sites × {args.batch_size} samples, one step; tolerance {rtol:.3g}\n")
+    print(f"{args.precision} on {device}, {args.sites} sites × {args.batch_size} samples, one step; tolerance {rtol:.3g}\n")
     print("| workload | parameters | captured layers | dense for dtype | dAD max rel. error | auto max rel. error "
           "| rank-dAD r=4 max rel. error (fp32) | factor bytes vs fp32 | dAD upload vs fp32 |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    failures = []
     for name in BUILTIN:
-        r = measure(name, args.precision, args.sites, args.batch_size)
+        r = measure(name, args.precision, args.sites, args.batch_size, device)
+        if r["dense_for_dtype"] or max(r["dad"], r["auto"]) > rtol:
+            failures.append(name)
         print(f"| {r['workload']} | {r['parameters']:,} | {r['captured']} | {r['dense_for_dtype']} | {r['dad']:.2g} | "
               f"{r['auto']:.2g} | {r['rankdad']:.2g} ({r['rankdad_fp32']:.2g}) | {r['factor_bytes']:.3f} | {r['dad_upload']:.3f} |")
+    if args.check and failures:
+        raise SystemExit(f"{args.precision} on {device}: a layer dense for its dtype or an error above {rtol:.3g} on {', '.join(failures)}")
 
 
 if __name__ == "__main__":

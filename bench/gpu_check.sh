@@ -6,7 +6,9 @@
 # 1. the CUDA tests (every test whose name says cuda), which CPU-only machines skip;
 # 2. a federation of a CPU coordinator, a CPU site and a CUDA site over loopback gRPC, for every
 #    strategy (bench/bench_kernels.py --cuda-site --check): no full-state resend, repairs under
-#    1% of the bytes, and the final metric beside the same run with both sites on the CPU.
+#    1% of the bytes, and the final metric beside the same run with both sites on the CPU;
+# 3. bf16 autocast on the GPU, every built-in workload (bench/bench_precision.py --check): no layer
+#    dense for its dtype, dAD's and auto's updates within bf16's tolerance of autograd's.
 # Prints one line per part and a summary; exits 0 when every part passed, 1 when one failed,
 # 3 when torch sees no CUDA device (nothing is checked then).
 set -uo pipefail
@@ -32,9 +34,11 @@ part() {  # part NAME SECONDS COMMAND...: run COMMAND under a time limit, record
     fi
 }
 
-part "CUDA tests" 120 "$PYTHON" -m pytest -q -k cuda tests/
-part "CUDA site beside a CPU site and a CPU coordinator, every strategy, $STEPS steps" 340 \
+part "CUDA tests" 90 "$PYTHON" -m pytest -q -k cuda tests/
+part "CUDA site beside a CPU site and a CPU coordinator, every strategy, $STEPS steps" 300 \
     "$PYTHON" -m bench.bench_kernels --cuda-site --check --sites 2 --steps "$STEPS"
+part "bf16 autocast on the GPU, every built-in workload" 60 \
+    "$PYTHON" bench/bench_precision.py --precision bf16 --device cuda --check
 
 echo "== summary"
 printf '%s\n' "${results[@]}"
