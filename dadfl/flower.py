@@ -805,9 +805,7 @@ class FlowerCoordinator:
         nonfinite = {i: reason for i, reply in enumerate(replies) if (reason := nonfinite_reason(reply.fields["loss_sum"], payloads[i]))}
         if model_fault(len(nonfinite), len(replies)):
             raise FlowerRunError(model_fault_reason(step, phase, list(nonfinite.values()), len(replies), weights_finite(self.replica.model)))
-        for index, reason in sorted(nonfinite.items()):
-            self.refuse(self.nodes[index], step, phase, reason)
-        refused = self.screening.refusals(step, phase, payloads, messages)
+        refused = {**nonfinite, **self.screening.refusals(step, phase, payloads, messages)}
         for index, reason in sorted(refused.items()):
             self.refuse(self.nodes[index], step, phase, reason)
         return payloads

@@ -814,7 +814,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         except Exception as exc:
             log.error("the %s upload check fails on every upload: %s: %s", self.strategy.name, type(exc).__name__, exc)
             return f"the {self.strategy.name} upload check failed ({type(exc).__name__})"
-        refused.update(nonfinite)
+        refused = {**nonfinite, **refused}  # the strategy's rules say more when they refuse it too
         for index, reason in sorted(refused.items()):
             link = uploads[index][0]
             self._refuse(link, f"site {link.site_id}, step {step} phase {phase}: {reason}")

@@ -67,7 +67,7 @@ def nonfinite_reason(loss_sum: float, payload: Payload) -> str | None:
         return f"loss_sum={loss_sum!r} is not finite"
     for key, tensor in payload.tensors.items():
         if not all_finite(tensor):
-            return f"its {printable(key)} is not finite"
+            return f"tensor {printable(key)}: contains NaN or Inf"
     return None
 
 
