@@ -74,3 +74,25 @@ def test_a_diverging_model_stops_the_run_and_no_honest_site_is_blamed(tmp_path):
     events = [json.loads(line) for line in (run / "audit.jsonl").read_text().splitlines()]
     assert not [e for e in events if e["event"] in ("refused", "quarantined")], events
     assert [e for e in events if e["event"] == "run" and "not finite" in e["action"]]
+
+
+def test_a_checkpoint_with_non_finite_weights_is_refused_in_one_line(tmp_path):
+    """The last good state itself non-finite (a checkpoint file altered, or written by an older
+    coordinator): the coordinator refuses to resume before any site joins, naming no site."""
+    config = server_config(tmp_path, training={"steps": 1, "batch_size": 16, "eval_every": 1, "checkpoint_every": 1},
+                           federation={"min_sites": 2, "linger_s": 0})
+    server = ServerThread(config).start()
+    sites = [SiteThread(site_config(tmp_path, f"site-{i}", server.endpoint, i, 2)).start() for i in range(2)]
+    server.join(60)
+    for site in sites:
+        site.join(60)
+    path = tmp_path / "run" / "checkpoint.pt"
+    state = torch.load(path, weights_only=True)
+    name = next(iter(state["model"]))
+    state["model"][name].view(-1)[0] = math.inf
+    torch.save(state, path)
+    again = server_config(tmp_path, training={"steps": 2, "batch_size": 16, "eval_every": 2, "checkpoint_every": 1})
+    with pytest.raises(ValueError) as refused:
+        ServerThread(again).start()
+    assert "holds non-finite weights" in str(refused.value) and "no site is at fault" in str(refused.value)
+    assert "\n" not in str(refused.value)
