@@ -755,10 +755,11 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             if len(uploads) < min_sites:
                 return self._abort(active, step, attempt, f"only {len(uploads)} of the {min_sites} sites needed sent phase {phase}")
             uploads.sort(key=lambda upload: upload[0].site_id)  # the server half sees sites in site-id order
-            nonfinite = {index: reason for index, (_, u) in enumerate(uploads) if (reason := nonfinite_reason(u.header.loss_sum, u.payload))}
+            nonfinite = await self._off_loop(sum(u.payload.nbytes() for _, u in uploads), lambda: {
+                index: reason for index, (_, u) in enumerate(uploads) if (reason := nonfinite_reason(u.header.loss_sum, u.payload))})
             if model_fault(len(nonfinite), len(uploads)):
-                self._stop_for_model(active, step, attempt, model_fault_reason(
-                    step, phase, list(nonfinite.values()), len(uploads), await self._off_loop(sum(m.nbytes() for m in messages), weights_finite, self.replica.model)))
+                finite = await asyncio.to_thread(weights_finite, self.replica.model)
+                self._stop_for_model(active, step, attempt, model_fault_reason(step, phase, list(nonfinite.values()), len(uploads), finite))
             screened = await self._screen(uploads, step, phase, messages, nonfinite)
             if isinstance(screened, str):
                 return self._abort(active, step, attempt, screened)
