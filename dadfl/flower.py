@@ -54,7 +54,8 @@ defaults: ``max_influence_ratio`` 100, no ``max_update_norm``, bounded influence
 (``clip_ratio`` 4, ``agreement``: the same clipping and weights as the gRPC coordinator,
 ``docs/robustness.md``), ``max_payload_bytes`` 1 GiB.
 Without dropout tolerance, a refused node stops the run with a :class:`FlowerRunError`
-naming the node and the reason. What Flower itself holds before the ServerApp sees a
+naming the node and the reason; non-finite values the model produced (most nodes' uploads,
+or the weights after an update) stop it naming no node (``screening.model_fault``). What Flower itself holds before the ServerApp sees a
 reply (the message as the SuperLink received it) is Flower's to bound.
 
 A node holds the server to its own rules in turn, as a gRPC site does its coordinator
@@ -107,7 +108,7 @@ from dadfl.protos.codec import DTYPES, Assembled, WireError, check_extent, check
 from dadfl.protos.state import MODEL_PREFIX, OPTIM_PREFIX, load_state, state_payload
 from dadfl.sanitize import REASON_CHARS, one_line, printable
 from dadfl.server.config import FederationConfig, WireConfig
-from dadfl.server.screening import Screening
+from dadfl.server.screening import WEIGHTS_NOT_FINITE, Screening, model_fault, model_fault_reason, nonfinite_reason, weights_finite
 from dadfl.server.validate import PayloadError, check_protocol
 from dadfl.strategies import Payload, make_strategy, weights_fingerprint
 from dadfl.workloads import Split, StepBatches, Workload, load_workload, partition, site_batches
@@ -721,6 +722,8 @@ class FlowerCoordinator:
                 result = self.run_step(step, attempt)
                 attempt += 1
             self.fingerprint = self.replica.apply_update(result.update)
+            if not weights_finite(self.replica.model):
+                raise FlowerRunError(f"step {step}: {WEIGHTS_NOT_FINITE}")
             elapsed = time.perf_counter() - started
             mismatched = [str(node) for node, fp in result.fingerprints.items() if fp != self.fingerprint]
             if mismatched:
@@ -799,7 +802,10 @@ class FlowerCoordinator:
             except PayloadError as exc:
                 self.refuse(node, step, phase, str(exc))
         payloads = [reply.payload.to(self.replica.device) for reply in replies]
-        refused = self.screening.refusals(step, phase, payloads, messages)
+        nonfinite = {i: reason for i, reply in enumerate(replies) if (reason := nonfinite_reason(reply.fields["loss_sum"], payloads[i]))}
+        if model_fault(len(nonfinite), len(replies)):
+            raise FlowerRunError(model_fault_reason(step, phase, list(nonfinite.values()), len(replies), weights_finite(self.replica.model)))
+        refused = {**nonfinite, **self.screening.refusals(step, phase, payloads, messages)}
         for index, reason in sorted(refused.items()):
             self.refuse(self.nodes[index], step, phase, reason)
         return payloads

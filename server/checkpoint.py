@@ -17,6 +17,7 @@ import torch
 
 from dadfl.metrics import read_metrics
 from dadfl.replica import Replica
+from dadfl.strategies.checks import all_finite
 
 CHECKPOINT = "checkpoint.pt"
 FINAL_MODEL = "model.pt"
@@ -67,6 +68,11 @@ def resume(run_dir: Path, replica: Replica, identity: dict) -> Resumed | None:
         raise ValueError(
             f"{path} belongs to a run with a different {', '.join(differing)}; "
             "use a new run_dir, or restore the config that wrote the checkpoint"
+        )
+    if not all(all_finite(tensor) for tensor in state["model"].values()):  # the coordinator never writes one
+        raise ValueError(
+            f"{path} holds non-finite weights, so the run cannot resume from it (no site is at fault); "
+            "use a new run_dir, or restore a checkpoint written before the model went non-finite"
         )
     replica.model.load_state_dict(state["model"])
     replica.optimizer.load_state_dict(state["optimizer"])

@@ -57,7 +57,11 @@ rather than at ``phase_timeout_s``, and a departure is not a refusal.
 Refusals (README "Trust"): a site whose upload fails a check, whose contribution is out
 of bounds, or whose upload alone breaks the aggregated message is dropped like a lost
 site; aborts it causes do not count towards ``MAX_ATTEMPTS_PER_STEP``, and after
-``quarantine_after`` refusals it is quarantined (``quarantine.py``).
+``quarantine_after`` refusals it is quarantined (``quarantine.py``). A non-finite value
+the model produced is nobody's refusal: when most uploads of a phase are non-finite
+(``screening.model_fault``), or the weights would be after the update, the step is refused
+as a whole, nothing is committed, no site is refused, and the run stops with one line
+(``ModelNotFinite``): retrying the same step on the same weights would give the same.
 
 Strategy state across steps (PowerSGD error feedback and warm start, rank-dAD warm
 start and memories) lives in the strategy's halves and is restored, never silently lost:
@@ -113,7 +117,7 @@ from .preflight import build_replica
 from .privacy import ServerPrivacy, split_state
 from .progress import OperatorView
 from .quarantine import Quarantine
-from .screening import Screening
+from .screening import WEIGHTS_NOT_FINITE, Screening, model_fault, model_fault_reason, nonfinite_reason, weights_finite
 from .validate import PayloadError, check_protocol
 
 log = logging.getLogger("dadfl.server")
@@ -132,6 +136,11 @@ SKIP = object()  # an event that does not answer the current round
 
 class RunStopped(RuntimeError):
     """The run cannot go on (no quorum in time, a step failing again and again)."""
+
+
+class ModelNotFinite(RunStopped):
+    """The model produced non-finite values (its weights, or most sites' uploads computed on
+    it): the step was refused as a whole and no site was blamed."""
 
 
 class StoppedByOperator(Exception):
@@ -760,6 +769,9 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                     missing = sorted({link.site_id for link in active} - set(dones))
                     return self._abort(active, step, attempt, f"{', '.join(missing)} left before reporting step {step} done")
                 fingerprint = await self._off_loop(sum(m.nbytes() for m in messages), self.replica.apply_update, update)
+                if not await self._off_loop(sum(m.nbytes() for m in messages), weights_finite, self.replica.model):
+                    # never committed: the last checkpoint stays the last good state
+                    self._stop_for_model(active, step, attempt, f"step {step}: {WEIGHTS_NOT_FINITE}")
                 return StepResult(
                     active, messages, samples, loss_sum, bytes_up, bytes_down, phase_seconds, dones, fingerprint, site_evals,
                     said_next=going_next is not None,
@@ -769,7 +781,12 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             if len(uploads) < min_sites:
                 return self._abort(active, step, attempt, f"only {len(uploads)} of the {min_sites} sites needed sent phase {phase}")
             uploads.sort(key=lambda upload: upload[0].site_id)  # the server half sees sites in site-id order
-            screened = await self._screen(uploads, step, phase, messages)
+            nonfinite = await self._off_loop(sum(u.payload.nbytes() for _, u in uploads), lambda: {
+                index: reason for index, (_, u) in enumerate(uploads) if (reason := nonfinite_reason(u.header.loss_sum, u.payload))})
+            if model_fault(len(nonfinite), len(uploads)):
+                finite = await asyncio.to_thread(weights_finite, self.replica.model)
+                self._stop_for_model(active, step, attempt, model_fault_reason(step, phase, list(nonfinite.values()), len(uploads), finite))
+            screened = await self._screen(uploads, step, phase, messages, nonfinite)
             if isinstance(screened, str):
                 return self._abort(active, step, attempt, screened)
             if len(screened) < len(uploads) and phase > 0:
@@ -814,15 +831,17 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         if self.quarantine.refuse(link.site_id, self.step, reason):
             self.audit("quarantined", site=link.site_id, step=self.step, reason=one_line(reason, REASON_CHARS))
 
-    async def _screen(self, uploads: list, step: int, phase: int, messages: list) -> list | str:
-        """The uploads that pass the strategy's checks and the influence bound (the rest are
-        refused), or why the step must abort when the check itself is broken (``screening.py``)."""
+    async def _screen(self, uploads: list, step: int, phase: int, messages: list, nonfinite: dict[int, str]) -> list | str:
+        """The uploads that pass the strategy's checks and the influence bound (the rest, and
+        ``nonfinite``'s minority, are refused), or why the step must abort when the check itself
+        is broken (``screening.py``)."""
         payloads = [u.payload for _, u in uploads]
         try:
             refused = await self._off_loop(sum(p.nbytes() for p in payloads), self.screening.refusals, step, phase, payloads, messages)
         except Exception as exc:
             log.error("the %s upload check fails on every upload: %s: %s", self.strategy.name, type(exc).__name__, exc)
             return f"the {self.strategy.name} upload check failed ({type(exc).__name__})"
+        refused = {**nonfinite, **refused}  # the strategy's rules say more when they refuse it too
         for index, reason in sorted(refused.items()):
             link = uploads[index][0]
             self._refuse(link, f"site {link.site_id}, step {step} phase {phase}: {reason}")
@@ -933,6 +952,15 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
                 self._send(link, abort)
         self.server_half.load_state_dict(self.half_at_step_start)  # sites restore theirs at the next step_begin
         return None
+
+    def _stop_for_model(self, links: list[SiteLink], step: int, attempt: int, reason: str) -> NoReturn:
+        """Refuse the step as a whole and stop: nothing is committed and no site is refused or
+        counted towards quarantine; every site is told why (a status it does not retry)."""
+        self._abort(links, step, attempt, reason)
+        for link in list(self.links.values()):
+            link.close(grpc.StatusCode.FAILED_PRECONDITION, f"run {self.run_id} stopped: {reason}")
+        self.audit("run", action="stopped: the model is not finite", step=step, reason=one_line(reason, REASON_CHARS))
+        raise ModelNotFinite(reason)
 
     def _strategy_state_reset(self, participants: list[SiteLink]) -> bool:
         """Whether every half restarts fresh at this step: only when some participant, or the

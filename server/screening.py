@@ -22,6 +22,15 @@ step, attempt, phase, model version, sample count). Then, over all uploads of th
    their shapes (``checks.check_update``): a server never sends a message that fails at a site.
    :meth:`Screening.breaking` names the uploads that make it fail.
 
+Never blame the honest (:func:`model_fault`): before step 1 the runtime sets aside the uploads
+that hold a non-finite value (:func:`nonfinite_reason`: the loss or a tensor). Every upload was
+computed from the coordinator's own weights (the protocol checks the fingerprint), so when a
+majority of them are non-finite the model is at fault (its weights, or an update that drove them
+where the loss overflows), not the sites: the step is refused as a whole, no site is refused or
+counted towards quarantine, and the run stops with one line saying so (the weights it keeps are
+the last committed ones, which are finite: a runtime never commits non-finite weights). A
+minority of non-finite uploads is the sending sites' fault: they are refused as before.
+
 The runtime decides what a refusal costs (the gRPC coordinator drops the site and counts
 it towards quarantine; Flower, without dropout tolerance, stops the run). Everything here
 is synchronous and pure: a runtime may run it in a worker thread.
@@ -30,6 +39,7 @@ is synchronous and pure: a runtime may run it in a worker thread.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -38,6 +48,7 @@ import torch
 from dadfl.protos import tensor_pb2 as pb
 from dadfl.protos.codec import roundtrip
 from dadfl.replica import Replica
+from dadfl.sanitize import printable
 from dadfl.strategies import Payload
 from dadfl.strategies.checks import ModelFacts, all_finite, check_update, influence_outliers
 from dadfl.strategies.gram import UnpairedForms, gram, sq_norm
@@ -48,6 +59,46 @@ log = logging.getLogger(__name__)
 # The agreement rule needs every pair of sites (S(S-1)/2 inner products, each at most a norm's
 # cost); above this many sites a step is clipped only (S norms).
 MAX_AGREEMENT_SITES = 32
+
+
+def nonfinite_reason(loss_sum: float, payload: Payload) -> str | None:
+    """Why an upload holds a non-finite value (its reported loss or one of its tensors), or None."""
+    if not math.isfinite(loss_sum):
+        return f"loss_sum={loss_sum!r} is not finite"
+    for key, tensor in payload.tensors.items():
+        if not all_finite(tensor):
+            return f"tensor {printable(key)}: contains NaN or Inf"
+    return None
+
+
+def model_fault(nonfinite: int, uploads: int) -> bool:
+    """Whether ``nonfinite`` of a phase's ``uploads`` (all computed from the same weights) being
+    non-finite is the model's fault rather than the sending sites': a strict majority. So a
+    minority of sites can never stop a run this way, and with two sites one non-finite upload is
+    that site's fault."""
+    return uploads > 0 and 2 * nonfinite > uploads
+
+
+def weights_finite(model: torch.nn.Module) -> bool:
+    """Whether every weight and buffer of ``model`` is finite: a runtime checks it after applying
+    an update, before it commits the step."""
+    return all(all_finite(tensor) for tensor in model.state_dict().values())
+
+
+WEIGHTS_NOT_FINITE = (
+    "its update makes the model's weights non-finite, so the model, not a site, is at fault and no site is refused; "
+    "the update overflowed the weights (lower optimizer.lr) or an earlier one poisoned them"
+)
+
+
+def model_fault_reason(step: int, phase: int, reasons: Sequence[str], uploads: int, weights_finite: bool) -> str:
+    """The one line a run stopped by :func:`model_fault` ends with."""
+    state = "its weights are finite but its loss overflows" if weights_finite else "its weights are not finite"
+    return (
+        f"step {step} phase {phase}: {len(reasons)} of {uploads} sites computed non-finite values on the model "
+        f"(e.g. {reasons[0]}): {state}, so the model, not a site, is at fault and no site is refused; "
+        "the model diverged (lower optimizer.lr, or check the workload's loss) or an earlier update poisoned it"
+    )
 
 
 @dataclass

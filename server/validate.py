@@ -2,15 +2,14 @@
 
 An upload must answer the step, attempt and phase the server is running, be computed
 from the server's current weights (the model version, by fingerprint), claim a sample
-count within the configured batch size (per local step), and report a finite, non-negative loss. What
+count within the configured batch size (per local step), and report a non-negative loss (a
+non-finite loss, or tensor, is judged with the phase's other uploads: ``screening.model_fault``). What
 its tensors may be is the strategy's to say (``Strategy.check_uploads``). Each failure
 is a :class:`PayloadError` whose text says what was wrong; the coordinator drops that
 site from the step and keeps running.
 """
 
 from __future__ import annotations
-
-import math
 
 from dadfl.protos import tensor_pb2 as pb
 from dadfl.protos.codec import Assembled
@@ -36,7 +35,7 @@ def check_protocol(upload: Assembled, step: int, attempt: int, phase: int, finge
         )
     if not 1 <= payload.num_samples <= max_samples:
         raise PayloadError(f"num_samples={payload.num_samples} is outside 1..{max_samples} (the configured batch size, per local step)")
-    if not math.isfinite(header.loss_sum) or header.loss_sum < 0:
-        raise PayloadError(f"loss_sum={header.loss_sum!r} must be finite and >= 0")
+    if header.loss_sum < 0:  # NaN passes: whose fault it is depends on the others (screening.model_fault)
+        raise PayloadError(f"loss_sum={header.loss_sum!r} must be >= 0")
     if not payload.tensors:
         raise PayloadError("payload has no tensors")

@@ -239,3 +239,17 @@ def test_the_npy_reader_refuses_a_tensor_in_the_words_of_the_grpc_codec(shape, c
         decode_chunks(chunks)
     assert re.fullmatch(rf"tensor 'x:grad': {reason}.*", str(npy.value)), npy.value
     assert str(npy.value) == str(wire.value)
+
+
+def test_a_diverging_model_stops_the_run_naming_no_node(tmp_path, task_identity):
+    """lr 1e18: every node's loss overflows at step 1 on the server's own (finite) weights; the
+    run stops saying the model is at fault, with no node refused (``screening.model_fault``)."""
+    from dadfl.replica import OptimizerConfig
+
+    spec = StrategySpec(name="dsgd")
+    config = small_config(spec, sites=3).model_copy(update={"optimizer": OptimizerConfig(name="sgd", lr=1e18, momentum=0.0)})
+    with pytest.raises(flower.FlowerRunError) as raised:
+        run_direct(tmp_path, config, spec, DirectGrid(3))
+    text = str(raised.value)
+    assert text.startswith("step 1 phase 0: 3 of 3 sites computed non-finite values"), text
+    assert "no site is refused" in text and "refused:" not in text and "\n" not in text, text
