@@ -51,7 +51,7 @@ decode it (``server/screening.py``). The bounds (:class:`ServerBounds`) are the 
 config's fields of the same names, set in the run config (``max-influence-ratio``,
 ``max-update-norm``, ``clip-ratio``, ``agreement``, ``max-payload-bytes``) or at their
 defaults: ``max_influence_ratio`` 100, no ``max_update_norm``, bounded influence on
-(``clip_ratio`` 4, ``agreement``: the same clipping and weights as the gRPC coordinator,
+(``clip_ratio`` 2, ``agreement``: the same clipping and weights as the gRPC coordinator,
 ``docs/robustness.md``), ``max_payload_bytes`` 1 GiB.
 Without dropout tolerance, a refused node stops the run with a :class:`FlowerRunError`
 naming the node and the reason; non-finite values the model produced (most nodes' uploads,

@@ -165,8 +165,11 @@ def test_a_payload_the_rules_miss_is_caught_by_the_message_check(tmp_path, task_
     def drop_a_q(content):
         del tensors(content)[next(k for k in tensors(content) if k.endswith(":Q"))]
 
+    # Without agreement weights: they may give the broken upload weight 0 before it reaches the
+    # aggregation, and this test is about the message check behind them.
+    bounds = flower.ServerBounds(agreement=False)
     with pytest.raises(flower.FlowerRunError) as raised:
-        run_direct(tmp_path, small_config(spec, sites=3), spec, HostileGrid(drop_a_q))
+        run_direct(tmp_path, small_config(spec, sites=3), spec, HostileGrid(drop_a_q), bounds)
     assert_refused(raised.value, 1, r"the upload breaks the aggregated message")
 
 
