@@ -50,7 +50,7 @@ from dadfl.protos.codec import roundtrip
 from dadfl.replica import Replica
 from dadfl.sanitize import printable
 from dadfl.strategies import Payload
-from dadfl.strategies.checks import ModelFacts, all_finite, check_update, influence_outliers
+from dadfl.strategies.checks import ModelFacts, all_finite, check_update, contribution_norms, influence_outliers
 from dadfl.strategies.gram import UnpairedForms, gram, sq_norm
 from dadfl.strategies.robust import DEFAULT_CLIP_RATIO, robust_weights
 
@@ -115,6 +115,10 @@ class Screening:
     # The step's factors so far (its earlier phases bound the later ones), and what the
     # metrics record of them: reset by each step's (each attempt's) phase 0.
     weighed: dict = field(init=False, default_factory=dict)
+    # The update terms of the phase's measured uploads, ``(payload, terms)`` by id (the payload
+    # kept so that a reused id cannot match another upload): ``refusals`` measures them, ``weigh``
+    # and the trials of ``breaking`` reuse them (edAD recomputes its hidden deltas for them).
+    measured: dict = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.facts = ModelFacts.from_model(self.replica.model, self.replica.layout)
@@ -163,12 +167,14 @@ class Screening:
                     crashed += 1
             if crashed == len(payloads):  # on every upload: the check is at fault, not the sites
                 raise failure
-        measures = {}
-        for index in range(len(payloads)):
+        measures, self.measured = {}, {}
+        for index, payload in enumerate(payloads):
             if index in refused:
                 continue
             try:
-                measures[index] = strategy.contribution(layout, payloads[index], messages, model)
+                update, buffers = strategy.terms(layout, payload, messages, model)
+                measures[index] = contribution_norms(update, buffers)
+                self.measured[id(payload)] = (payload, update)
             except Exception as exc:
                 refused[index] = f"its contribution cannot be measured ({type(exc).__name__}: {exc})"
         good = list(measures)
@@ -181,8 +187,8 @@ class Screening:
         keep the factors for the step's later phases and the metrics (not for trial runs)."""
         if len(payloads) < 2 or (not self.clip_ratio and not self.agreement):
             return list(payloads)
-        strategy, layout, model = self.strategy, self.replica.layout, self.replica.model
-        terms = [strategy.terms(layout, payload, messages, model)[0] for payload in payloads]
+        strategy, layout = self.strategy, self.replica.layout
+        terms = [self._update_terms(payload, messages) for payload in payloads]
         agreement = self.agreement and strategy.uploads_agree and len(payloads) <= MAX_AGREEMENT_SITES
         G = None
         if agreement:
@@ -209,6 +215,12 @@ class Screening:
         # sent: the others' mean is not diluted by it.
         kept = [(payload, factor) for payload, factor in zip(payloads, factors) if factor > 0.0]
         return [payload if factor == 1.0 else strategy.scale(layout, payload, factor) for payload, factor in kept]
+
+    def _update_terms(self, payload: Payload, messages: Sequence[Payload]):
+        known = self.measured.get(id(payload))
+        if known is not None and known[0] is payload:
+            return known[1]
+        return self.strategy.terms(self.replica.layout, payload, messages, self.replica.model)[0]
 
     def weights_record(self, step: int, names: Sequence[str]) -> dict:
         """What the metrics keep of ``step``'s factors, by site name (uploads' order): the
