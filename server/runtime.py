@@ -70,6 +70,16 @@ async def serve(
             stopper.cancel()
         endpoint_file.unlink(missing_ok=True)
         await server.stop(STOP_GRACE_S)
+        await _streams_finished(STOP_GRACE_S)
+
+
+async def _streams_finished(timeout: float) -> None:
+    """Wait (at most ``timeout``) for the loop's other tasks: gRPC's tasks of the streams it has just
+    ended need a few more loop turns after ``server.stop`` returns. Cancelled by asyncio.run's
+    cleanup instead, gRPC logs each as an unhandled CancelledError with its traceback."""
+    others = asyncio.all_tasks() - {asyncio.current_task()}
+    if others:
+        await asyncio.wait(others, timeout=timeout)
 
 
 async def _stop_when_set(stop: asyncio.Event, coordinator: Coordinator) -> None:
@@ -99,9 +109,7 @@ async def _serve_until_interrupted(config: ServerConfig, insecure: bool) -> None
     """SIGTERM (``dadfl stop``, a service manager, ``docker stop``) and a first Ctrl-C set
     ``stop``: the coordinator finishes or aborts the step under way, checkpoints and tells
     the sites (``Coordinator.request_stop``). A second Ctrl-C cancels ``serve``, which stops
-    the gRPC server (which cancels the sites' streams) and the streams' own tasks are let
-    finish before the loop closes: cancelled by asyncio.run's cleanup instead, gRPC logs each
-    as an unhandled CancelledError with its traceback."""
+    the gRPC server, which cancels the sites' streams (``serve`` lets their tasks finish)."""
     loop, main = asyncio.get_running_loop(), asyncio.current_task()
     stop = asyncio.Event()
     interrupted = False
@@ -125,9 +133,6 @@ async def _serve_until_interrupted(config: ServerConfig, insecure: bool) -> None
     except asyncio.CancelledError:
         if not interrupted:
             raise
-        others = asyncio.all_tasks() - {main}
-        if others:
-            await asyncio.wait(others, timeout=STOP_GRACE_S)
         raise KeyboardInterrupt from None
     finally:
         loop.remove_signal_handler(signal.SIGTERM)
