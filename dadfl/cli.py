@@ -20,7 +20,7 @@ from dadfl.server.processes import simulate_processes
 from .config import ConfigError, load_config, validate_config
 from .failures import set_debug
 from .metrics import MetricsWriter, write_summary
-from .privacy import EXACT_STRATEGIES
+from .privacy.accounting import EXACT_STRATEGIES
 from .replica import resolve_device
 from .report import by_strategy, human_bytes, suggested_ranks, write_plots
 from .simulation import SimulationConfig, StrategySpec, run_directory, simulate

@@ -45,9 +45,9 @@ the strategy's upload rules name for the phase, with their dtypes; at most
 ``max_payload_bytes`` of tensor data; and each ``.npy`` header must account exactly for
 the bytes that follow before one copy is made (``np.load`` would allocate whatever a
 header claims). Then the gRPC coordinator's own checks run: the protocol header
-(``server/validate.py``: step, attempt, phase, base weights, sample count, loss), the
+(``dadfl/trust/protocol.py``: step, attempt, phase, base weights, sample count, loss), the
 strategy's rules and the influence bound, and the aggregated message as every node will
-decode it (``server/screening.py``). The bounds (:class:`ServerBounds`) are the gRPC server
+decode it (``dadfl/trust/screening.py``). The bounds (:class:`ServerBounds`) are the gRPC server
 config's fields of the same names, set in the run config (``max-influence-ratio``,
 ``max-update-norm``, ``clip-ratio``, ``agreement``, ``max-payload-bytes``) or at their
 defaults: ``max_influence_ratio`` 100, no ``max_update_norm``, bounded influence on
@@ -60,7 +60,7 @@ reply (the message as the SuperLink received it) is Flower's to bound.
 
 A node holds the server to its own rules in turn, as a gRPC site does its coordinator
 (``flower_policy.py``): the run settings in a step message pass the gRPC site's checks
-(``client/run_checks.py``: the workload allowed by name before any import, bounded options,
+(``dadfl/trust/run_checks.py``: the workload allowed by name before any import, bounded options,
 batch size, steps and model size within the node's limits, the [dp] floor) under a policy
 from the node config, before anything is imported or built; the server's messages and full
 state are read as replies are (:func:`read_records`, :func:`read_fields`,
@@ -102,14 +102,14 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordD
 from flwr.clientapp import ClientApp  # noqa: E402
 from flwr.serverapp import Grid, ServerApp  # noqa: E402
 
-from dadfl.client.run_checks import RunRefused, check_same_model
+from dadfl.trust.run_checks import RunRefused, check_same_model
 from dadfl.protos import tensor_pb2 as pb
 from dadfl.protos.codec import DTYPES, Assembled, WireError, check_extent, check_payload_bytes, checked_dtype
 from dadfl.protos.state import MODEL_PREFIX, OPTIM_PREFIX, load_state, state_payload
 from dadfl.sanitize import REASON_CHARS, one_line, printable
-from dadfl.server.config import FederationConfig, WireConfig
-from dadfl.server.screening import WEIGHTS_NOT_FINITE, Screening, model_fault, model_fault_reason, nonfinite_reason, weights_finite
-from dadfl.server.validate import PayloadError, check_protocol
+from dadfl.federation import FederationConfig, WireConfig
+from dadfl.trust.screening import WEIGHTS_NOT_FINITE, Screening, model_fault, model_fault_reason, nonfinite_reason, weights_finite
+from dadfl.trust.protocol import PayloadError, check_protocol
 from dadfl.strategies import Payload, make_strategy, weights_fingerprint
 from dadfl.workloads import Split, StepBatches, Workload, load_workload, partition, site_batches
 
@@ -417,7 +417,7 @@ _batch_streams: dict[tuple[int, int, int, str], StepBatches] = {}
 
 
 def _read_data_file(path: Path) -> Split:
-    from dadfl.client.data import read_data_file  # the gRPC site's reader: same file formats
+    from dadfl.data_files import read_data_file  # the gRPC site's reader: same file formats
 
     if not path.is_file():
         raise ValueError(f"node config data-path={str(path)!r}: no such file on this SuperNode")

@@ -25,9 +25,11 @@ from dadfl.workloads.batches import PoissonBatches, SplitDataset
 
 from .config import Precision, StrictModel
 from .metrics import MetricsWriter, is_eval_step, run_summary
-from .privacy import CoordinatorNoise, DPConfig, PrivacyBudget, check_dp_strategy, expected_batch, log_plan, private_step, site_sample_rate
+from .privacy.accounting import DPConfig, PrivacyBudget, check_dp_strategy, expected_batch, log_plan, site_sample_rate
+from .privacy.coordinator import CoordinatorNoise, private_step
 from .replica import OptimizerConfig, Replica, check_dp_precision, resolve_device
 from .strategies.robust import DEFAULT_CLIP_RATIO, check_clip_ratio
+from .trust.screening import Screening
 
 
 log = logging.getLogger("dadfl.simulation")
@@ -189,8 +191,6 @@ def _simulate(config: SimulationConfig, spec: StrategySpec, metrics: MetricsWrit
     for site in sites:
         site.load_weights_from(coordinator)
     server = strategy.server(coordinator.layout, coordinator.model)
-    from .server.screening import Screening  # the server package imports this module
-
     # The coordinator's robust weights, as a networked run applies them (off under [dp], as there).
     screening = Screening(coordinator, math.inf, None, clip_ratio=config.clip_ratio, agreement=config.agreement)
     has_test = workload.test is not None and len(workload.test) > 0

@@ -1,4 +1,4 @@
-"""What a site checks in the coordinator's run config before it builds or imports anything.
+"""``dadfl.trust.run_checks`` — what a site checks in the coordinator's run config before it builds or imports anything.
 
 The coordinator is trusted with the model's weights, not with the site's machine. A run
 config names code (a workload factory) and its arguments; the site runs only workloads
@@ -23,17 +23,17 @@ from typing import Any, Sequence
 import torch
 from pydantic import ValidationError
 
-from dadfl.protos import coordinator_pb2 as cpb
-from dadfl.protos.codec import CODECS
 from dadfl.model_identity import MAX_LAYOUT_LINES, PROBE_TOLERANCE, PROBE_VALUES, layout_difference, probe_distance
 from dadfl.options import strategy_options, validation_summary
-from dadfl.privacy import SitePrivacy, check_dp_strategy
+from dadfl.privacy.accounting import SitePrivacy, check_dp_strategy
+from dadfl.protos import coordinator_pb2 as cpb
+from dadfl.protos.codec import CODECS
 from dadfl.replica import OptimizerConfig, Replica
 from dadfl.sanitize import printable
 from dadfl.strategies import STRATEGIES, Strategy, make_strategy
 from dadfl.workloads import BUILTIN, Workload, load_workload
 
-from .config import WORKLOAD_SPEC, PrivacyPolicy, RunLimits, RunPolicy
+from .run_policy import WORKLOAD_SPEC, PrivacyPolicy, RunLimits, RunPolicy
 
 log = logging.getLogger("dadfl.site")
 
