@@ -53,9 +53,9 @@ class StrategySpec(StrictModel):
         """What this strategy sends the coordinator of a layer that reads the raw input."""
         strategy = make_strategy(self.name, **self.options)
         policy = getattr(strategy, "raw_input", None)
-        if self.name in ("fedavg", "diloco"):
+        if strategy.has_local_steps:
             return "part of a model delta"
-        if self.name in ("rankdad", "powersgd"):  # A and Δ never leave a site: "activations" allows factors
+        if not strategy.exact:  # low rank: A and Δ never leave a site, "activations" allows factors
             return "its dense gradient" if policy == "dense" else "a rank-r projection of its gradient"
         return "raw activations" if policy == "activations" else "its dense gradient"
 

@@ -14,11 +14,9 @@ from typing import Literal, Sequence
 from pydantic import Field, model_validator
 
 from dadfl.config import StrictModel
+from dadfl.strategies import STRATEGIES
 
 log = logging.getLogger("dadfl.privacy")
-
-EXACT_STRATEGIES = ("dsgd", "dad", "auto", "edad")
-LOCAL_STEP_STRATEGIES = ("fedavg", "diloco")
 
 
 class DPConfig(StrictModel):
@@ -86,17 +84,26 @@ def poisson_cap(batch_size: int) -> int:
 
 
 def check_dp_strategy(name: str) -> None:
-    """Refuse a strategy whose released update is not exactly the clipped sum (module doc)."""
-    if name in LOCAL_STEP_STRATEGIES:
+    """Refuse a strategy whose released update is not exactly the clipped sum (``Strategy.supports_dp``;
+    ``dadfl.privacy``)."""
+    cls = STRATEGIES.get(name)
+    if cls is None:
+        raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
+    if cls.supports_dp:
+        return
+    if cls.has_local_steps:
         why = ("its update is a model delta after several local steps, in which one record can act many times; "
                "per-sample clipping bounds one step's gradient, not that delta")
-    elif name not in EXACT_STRATEGIES:
+    else:
         why = ("its update is a low-rank approximation computed from the batch (with error-feedback memory), "
                "whose change when one record comes or goes max_grad_norm does not bound")
-    else:
-        return
     raise ValueError(f"strategy {name!r} cannot run with [dp]: {why}, so no ε would hold; "
-                     f"use one of {', '.join(EXACT_STRATEGIES)} (see docs/privacy.md)")
+                     f"use one of {', '.join(dp_strategies())} (see docs/privacy.md)")
+
+
+def dp_strategies() -> list[str]:
+    """The registered strategies that can run with [dp]."""
+    return [name for name, cls in STRATEGIES.items() if cls.supports_dp]
 
 
 def site_sample_rate(batch_size: int, num_samples: int) -> float:
