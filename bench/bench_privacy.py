@@ -9,7 +9,7 @@ as low-rank factors) without privacy, and dsgd and dad with [dp] at ε = 1, 3 an
 sampling at the sites). It reports held-out accuracy (mean ± std over seeds), ε reached,
 σ, payload bytes per step up and down (all sites together) and milliseconds per step
 (median over seeds; 4 sites one after another in one process). rank-dAD is refused with
-[dp] (``dadfl/privacy.py`` says why), so it has non-private rows only.
+[dp] (``dadfl.privacy`` says why), so it has non-private rows only.
 """
 
 from __future__ import annotations

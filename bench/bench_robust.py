@@ -4,7 +4,7 @@
 
 digits-mlp, 4 IID sites (3 honest + 1 attacker), batch 32 per site, SGD 0.1. Each step runs
 in one process what the gRPC coordinator runs between the uploads and the message
-(``server/screening.py``: the strategy's checks, the influence bound ``max_influence_ratio``
+(``dadfl/trust/screening.py``: the strategy's checks, the influence bound ``max_influence_ratio``
 = 100, then the robust rule's weights, the aggregation, the message as sites decode it):
 the sites' halves, the coordinator's screening and every replica are the real ones, only
 the bytes do not cross a socket. The attacker computes its genuine upload each phase and
@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from dadfl.replica import OptimizerConfig, Replica
-from dadfl.server.screening import Screening
+from dadfl.trust.screening import Screening
 from dadfl.strategies import make_strategy
 from dadfl.strategies.base import split_key
 from dadfl.strategies.checks import medians_of_the_others

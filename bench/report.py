@@ -18,6 +18,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from dadfl.report import human_bytes  # noqa: E402
+from dadfl.strategies import STRATEGIES  # noqa: E402
 from dadfl.strategies.quantize import FULL_PRECISION  # noqa: E402
 
 from .analysis import TARGET_TOLERANCE, UNRECORDED_MACHINE, matrix_order  # noqa: E402
@@ -723,7 +724,8 @@ def one_site_table(links: dict, rates: list[str]) -> list[str]:
     ]
 
 
-EXACT = ("dad", "auto", "edad")  # same update as dSGD to float rounding: dSGD's steps to target
+# Same update as dSGD to float rounding: dSGD's steps to target.
+EXACT = tuple(name for name, cls in STRATEGIES.items() if cls.exact and name != "dsgd")
 SPLITS = {"iid": "IID", "dirichlet": "Dirichlet(0.5)"}
 FAMILIES = {  # the choice a hospital makes, by the strategy's name
     "exact update (dsgd, dad, auto, edad)": ("dsgd", "dad", "auto", "edad"),

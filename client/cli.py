@@ -11,8 +11,8 @@ from dadfl.config import ConfigError, load_config
 from dadfl.failures import fail, keep_secret, set_debug, unexpected
 
 from .config import SiteConfig
-from .data_checks import DataMismatch
-from .run_checks import RunRefused
+from dadfl.data_files import DataMismatch
+from dadfl.trust.run_checks import RunRefused
 from .site import GaveUp, SiteRefused, run_site
 
 

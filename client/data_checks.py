@@ -16,15 +16,12 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
+from dadfl.data_files import DataMismatch
 from dadfl.workloads import SplitDataset
 
 log = logging.getLogger("dadfl.site")
 
 ERROR_CHARS = 200  # of a torch error quoted in a message
-
-
-class DataMismatch(ValueError):
-    """The site's data does not fit the coordinator's model; the message says where and how to fix it."""
 
 
 def model_dtype(model: nn.Module) -> torch.dtype:

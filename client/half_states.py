@@ -43,7 +43,7 @@ from dadfl.protos.codec import check_header, decode_tensors, encode_header
 from dadfl.sanitize import one_line
 from dadfl.strategies import Payload
 
-from .run_checks import RUN_ID
+from dadfl.trust.run_checks import RUN_ID
 
 log = logging.getLogger("dadfl.site")
 

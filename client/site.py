@@ -41,7 +41,7 @@ from torch.utils.data import Dataset
 from dadfl.audit import FILE as AUDIT_FILE
 from dadfl.audit import AuditLog, code_identity, payload_entry
 from dadfl.metrics import is_eval_step
-from dadfl.privacy import poisson_cap
+from dadfl.privacy.accounting import poisson_cap
 from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.protos import coordinator_pb2_grpc as cpb_grpc
 from dadfl.protos import tensor_pb2 as pb
@@ -59,8 +59,8 @@ from .config import FileData, SiteConfig
 from .data import data_source, held_out_source, load_site_batches, read_data_file
 from .data_checks import CheckedBatches, check_batches, check_dataset
 from .half_states import HalfStates
-from .privacy_ledger import BudgetSpent, PrivacyLedger, RunReleases
-from .run_checks import PrivateRefusal, RunRefused, build_workload, check_run_config, check_same_model
+from dadfl.privacy.ledger import BudgetSpent, PrivacyLedger, RunReleases
+from dadfl.trust.run_checks import PrivateRefusal, RunRefused, build_workload, check_run_config, check_same_model
 
 log = logging.getLogger("dadfl.site")
 
@@ -436,7 +436,7 @@ class Site:
                 releases = RunReleases.admit(self.privacy_ledger(), config.run_id, privacy, rate, config.steps)
             except (ValueError, BudgetSpent) as exc:
                 raise PrivateRefusal(str(exc)) from None
-            poisson = PoissonBatches(batches.dataset, rate, seed=None)  # every upload a fresh sample (dadfl/privacy.py)
+            poisson = PoissonBatches(batches.dataset, rate, seed=None)  # every upload a fresh sample (dadfl.privacy)
         batches = check_batches(replica.model, workload.loss, batches, source, replica.device)
         if poisson is not None:  # checked on the fixed batch of step 0, drawn by Poisson sampling from here
             batches = CheckedBatches(poisson, batches.conversion, batches.source)
@@ -448,7 +448,7 @@ class Site:
         log.info("site %s: run %s, %s with %s, %d steps", self.config.site_id, config.run_id, config.workload, config.strategy, config.steps)
 
     def privacy_ledger(self) -> PrivacyLedger:
-        """The site's ledger (``privacy_ledger.py``), opened at its first [dp] run and held until :meth:`close`."""
+        """The site's ledger (``dadfl.privacy.ledger``), opened at its first [dp] run and held until :meth:`close`."""
         if self.ledger is None:
             policy = self.config.privacy
             if policy.max_epsilon is not None and self.config.state_dir is None:

@@ -20,7 +20,7 @@ from dadfl.server.processes import simulate_processes
 from .config import ConfigError, load_config, validate_config
 from .failures import set_debug
 from .metrics import MetricsWriter, write_summary
-from .privacy import EXACT_STRATEGIES
+from .privacy.accounting import dp_strategies
 from .replica import resolve_device
 from .report import by_strategy, human_bytes, suggested_ranks, write_plots
 from .simulation import SimulationConfig, StrategySpec, run_directory, simulate
@@ -92,7 +92,7 @@ def sim(
         if dp_epsilon is not None:
             base["dp"] = {**(base.get("dp") or {}), "target_epsilon": dp_epsilon}
         if base.get("dp") and not explicit:  # the default list: keep the strategies DP can run
-            base["strategies"] = [s for s in base["strategies"] if s["name"] in EXACT_STRATEGIES]
+            base["strategies"] = [s for s in base["strategies"] if s["name"] in dp_strategies()]
         settings = validate_config(base, SimulationConfig, source=str(config or "command line"))
         resolve_device(settings.device)
     except (ConfigError, ValueError) as exc:

@@ -22,7 +22,7 @@ from dadfl.strategies import Layout, Payload, Strategy, apply_update, local_step
 from dadfl.strategies.base import LocalResult, decode_message
 from dadfl.strategies.precision import check_precision
 from dadfl.strategies.canonical import float64_payload
-from dadfl.strategies.privacy import ClipPlan, clipped_local_step
+from dadfl.strategies.sample_clipping import ClipPlan, clipped_local_step
 from dadfl.workloads import Split, Workload
 
 from .config import StrictModel
@@ -66,7 +66,7 @@ class Replica:
     optimizer_config: OptimizerConfig
     device: torch.device = torch.device("cpu")
     # Differential privacy ([dp]): every sample's gradient is clipped to this norm, and the
-    # step's messages are the coordinator's dense noisy update (``dadfl/privacy.py``).
+    # step's messages are the coordinator's dense noisy update (``dadfl.privacy``).
     max_grad_norm: float | None = None
     # Whether to note what the freshly built model computes (``model_probe``: dadfl/model_identity.py),
     # for the check that a site runs the coordinator's model: only the runtimes' coordinators and

@@ -25,9 +25,11 @@ from dadfl.workloads.batches import PoissonBatches, SplitDataset
 
 from .config import Precision, StrictModel
 from .metrics import MetricsWriter, is_eval_step, run_summary
-from .privacy import CoordinatorNoise, DPConfig, PrivacyBudget, check_dp_strategy, expected_batch, log_plan, private_step, site_sample_rate
+from .privacy.accounting import DPConfig, PrivacyBudget, check_dp_strategy, expected_batch, log_plan, site_sample_rate
+from .privacy.coordinator import CoordinatorNoise, private_step
 from .replica import OptimizerConfig, Replica, check_dp_precision, resolve_device
 from .strategies.robust import DEFAULT_CLIP_RATIO, check_clip_ratio
+from .trust.screening import Screening
 
 
 log = logging.getLogger("dadfl.simulation")
@@ -51,9 +53,9 @@ class StrategySpec(StrictModel):
         """What this strategy sends the coordinator of a layer that reads the raw input."""
         strategy = make_strategy(self.name, **self.options)
         policy = getattr(strategy, "raw_input", None)
-        if self.name in ("fedavg", "diloco"):
+        if strategy.has_local_steps:
             return "part of a model delta"
-        if self.name in ("rankdad", "powersgd"):  # A and Δ never leave a site: "activations" allows factors
+        if not strategy.exact:  # low rank: A and Δ never leave a site, "activations" allows factors
             return "its dense gradient" if policy == "dense" else "a rank-r projection of its gradient"
         return "raw activations" if policy == "activations" else "its dense gradient"
 
@@ -189,8 +191,6 @@ def _simulate(config: SimulationConfig, spec: StrategySpec, metrics: MetricsWrit
     for site in sites:
         site.load_weights_from(coordinator)
     server = strategy.server(coordinator.layout, coordinator.model)
-    from .server.screening import Screening  # the server package imports this module
-
     # The coordinator's robust weights, as a networked run applies them (off under [dp], as there).
     screening = Screening(coordinator, math.inf, None, clip_ratio=config.clip_ratio, agreement=config.agreement)
     has_test = workload.test is not None and len(workload.test) > 0

@@ -7,16 +7,15 @@ Relative paths are resolved against the working directory the server starts in (
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from dadfl.config import Precision, StrictModel, check_host_port
-from dadfl.privacy import DPConfig, check_dp_strategy
+from dadfl.federation import FederationConfig, WireConfig
 from dadfl.options import strategy_options
+from dadfl.privacy.accounting import DPConfig, check_dp_strategy
 from dadfl.replica import OptimizerConfig, check_dp_precision
 from dadfl.strategies import STRATEGIES
-from dadfl.strategies.robust import DEFAULT_CLIP_RATIO, check_clip_ratio
 
 
 MIN_PRIVATE_BATCH = 16  # an empty Poisson draw at some site: about 1e-7 per site and step
@@ -80,50 +79,6 @@ class TrainingConfig(StrictModel):
         "fp32", description="autocast of every site's forward/backward: fp32 (none), bf16, or fp16 (loss-scaled); "
         "factors travel in it (strategies/precision.py)"
     )
-
-
-class FederationConfig(StrictModel):
-    min_sites: int = Field(2, ge=1, description="quorum: a step needs at least this many sites")
-    initial_sites: int | None = Field(None, ge=1, description="sites to wait for before the first step (default min_sites)")
-    phase_timeout_s: float = Field(60.0, gt=0, description="how long a phase waits for a site's payload")
-    quorum_timeout_s: float = Field(600.0, gt=0, description="how long the server waits for a quorum before giving up")
-    linger_s: float = Field(10.0, ge=0, description="after the last step, how long to wait for disconnected sites to learn the run finished")
-    max_influence_ratio: float = Field(
-        100.0, gt=1, description="with 3 or more sites in a step, a site whose update norm exceeds this multiple of the "
-        "median of the other sites' is dropped from the step (honest sites differ by 10x and more late in training)"
-    )
-    max_update_norm: float | None = Field(
-        None, gt=0, description="optional absolute bound on a site's update norm (mean units); the only size bound "
-        "when fewer than 3 sites take part"
-    )
-    clip_ratio: float = Field(
-        DEFAULT_CLIP_RATIO, description="bounded influence: each site's update is scaled down to at most this "
-        "multiple of the median of the other sites' norms before aggregating (docs/robustness.md); 0: no clipping"
-    )
-    agreement: bool = Field(
-        True, description="bounded influence, 3 or more sites: a site whose median cosine with the other sites' updates "
-        "is <= 0 gets weight 0 for the step (docs/robustness.md)"
-    )
-    quarantine_after: int = Field(
-        3, ge=1, description="refused uploads after which a site is quarantined for the run (run_dir/quarantine.json; "
-        "the operator re-admits it by deleting its entry)"
-    )
-    max_eval_samples: int = Field(10_000_000, ge=1, description="largest held-out sample count a site may report")
-    sync_per_minute: int = Field(60, ge=1, description="repairs a site may ask for per minute (per step: one block repair, then one full state)")
-
-    _clip_ratio = field_validator("clip_ratio")(check_clip_ratio)
-
-    @model_validator(mode="after")
-    def _initial_at_least_quorum(self) -> "FederationConfig":
-        if self.initial_sites is not None and self.initial_sites < self.min_sites:
-            raise ValueError(f"initial_sites ({self.initial_sites}) must be at least min_sites ({self.min_sites})")
-        return self
-
-
-class WireConfig(StrictModel):
-    codec: Literal["none", "fp16", "bf16"] = Field("none", description="encoding of factor tensors (A, D, P, Q)")
-    chunk_bytes: int = Field(1 << 20, ge=1024, le=(4 << 20) - 65536, description="payload bytes per gRPC message")
-    max_payload_bytes: int = Field(1 << 30, ge=1024, description="largest payload a site may send")
 
 
 class ServerConfig(StrictModel):

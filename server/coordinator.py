@@ -114,11 +114,11 @@ from .enrol import SITE_ID_PATTERN, SITE_ID_RULE, Enrolment, EnrolmentError, tok
 from .evaluation import EvalRejected, SiteEval, check_report, combine
 from .links import FINISH, GRPC_FRAME_BYTES, Close, Closed, Done, Encoded, SiteLink, SyncRequest, Upload
 from .preflight import build_replica
-from .privacy import ServerPrivacy, split_state
+from dadfl.privacy.coordinator import ServerPrivacy, split_state
 from .progress import OperatorView
 from .quarantine import Quarantine
-from .screening import WEIGHTS_NOT_FINITE, Screening, model_fault, model_fault_reason, nonfinite_reason, weights_finite
-from .validate import PayloadError, check_protocol
+from dadfl.trust.screening import WEIGHTS_NOT_FINITE, Screening, model_fault, model_fault_reason, nonfinite_reason, weights_finite
+from dadfl.trust.protocol import PayloadError, check_protocol
 
 log = logging.getLogger("dadfl.server")
 

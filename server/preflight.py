@@ -20,7 +20,7 @@ from dadfl.workloads import load_workload
 
 from .config import ServerConfig
 from .enrol import check_tokens_file
-from .privacy import ServerPrivacy
+from dadfl.privacy.coordinator import ServerPrivacy
 
 
 def build_replica(config: ServerConfig) -> Replica:

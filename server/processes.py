@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dadfl.metrics import MetricsWriter, read_summary
-from dadfl.privacy import site_sample_rate
+from dadfl.privacy.accounting import site_sample_rate
 from dadfl.simulation import SimulationConfig, StrategySpec
 
 from .enrol import enroll

@@ -29,6 +29,8 @@ from .layout import CapturedLayer, Layout
 class Auto(Strategy):
     raw_input: str = "dense"
     name = "auto"
+    exact = True
+    supports_dp = True
 
     def __post_init__(self) -> None:
         check_raw_input(self.raw_input)

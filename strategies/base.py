@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Protocol, Sequence
+from typing import Callable, ClassVar, Iterable, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -219,6 +219,17 @@ class Strategy:
 
     name = "strategy"
     needs_factors = True
+    # Capabilities: what a runtime, the config checks and [dp] ask of a strategy class (a
+    # user's own strategy states its own).
+    # exact: the update is the weighted mean of the sites' gradients (dSGD's), for any model.
+    exact: ClassVar[bool] = False
+    # supports_dp: the released update is exactly the sum of the sites' clipped per-sample
+    # gradients, so the coordinator's noise gives the ε the accountant states (dadfl.privacy).
+    supports_dp: ClassVar[bool] = False
+    # has_local_steps: a step trains several local batches (``batch_indices``) before it uploads.
+    has_local_steps: ClassVar[bool] = False
+    # phases: the most upload phases one step takes (PowerSGD: P, then Q).
+    phases: ClassVar[int] = 1
     # Whether honest sites' uploads point the same way, so that the robust rule may weigh
     # sites by their cosines (``robust.py``); False where the strategy's uploads carry
     # per-site memories that pull apart by construction.

@@ -148,6 +148,8 @@ class DAD(Strategy):
     downlink: str = "dense"
     raw_input: str = "dense"
     name = "dad"
+    exact = True
+    supports_dp = True
 
     def __post_init__(self) -> None:
         if self.downlink not in ("dense", "factors"):

@@ -50,6 +50,8 @@ class DenseServer(Stateless):
 @dataclass(frozen=True)
 class DSGD(Strategy):
     name = "dsgd"
+    exact = True
+    supports_dp = True
     needs_factors = False
 
     def site(self, layout: Layout, model=None) -> DenseSite:

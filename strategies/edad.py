@@ -214,6 +214,8 @@ class EDAD(Strategy):
     downlink: str = "dense"
     raw_input: str = "dense"
     name = "edad"
+    exact = True
+    supports_dp = True
 
     def __post_init__(self) -> None:
         if self.downlink not in ("dense", "factors"):

@@ -153,6 +153,9 @@ class DiLoCoSite(LocalStepsSite):
 class LocalSteps(DSGD):
     """What FedAvg and DiLoCo share: the round, the dense wire format and its checks (dSGD's)."""
 
+    exact = False  # the update is a model delta after several local steps, not the step's gradient
+    supports_dp = False  # one record can act in many local steps: per-sample clipping does not bound the delta
+    has_local_steps = True
     local_steps: int = 8
 
     def __post_init__(self) -> None:

@@ -395,6 +395,7 @@ class PowerSGD(Strategy):
     raw_input: str = DEFAULT_RAW_INPUT
     name = "powersgd"
     needs_factors = False
+    phases = 2  # P_s, then Q_s (one on a dense warm-up step)
 
     def __post_init__(self) -> None:
         if self.rank < 1:

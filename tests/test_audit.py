@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from dadfl.audit import AuditError, AuditLog, verify
-from dadfl.client.run_checks import RunRefused
+from dadfl.trust.run_checks import RunRefused
 from network_helpers import ServerThread, SiteThread, dadfl_command, server_config, site_config
 
 

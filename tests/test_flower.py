@@ -102,7 +102,7 @@ class DirectGrid:
             if (message.metadata.message_type, step, node) in self.wipe_before:
                 self.wipe_before.remove((message.metadata.message_type, step, node))
                 self.contexts[node] = self.context(node)
-                flower._batch_streams.clear()  # a fresh process, too
+                flower.node._batch_streams.clear()  # a fresh process, too
                 self.wiped.append((message.metadata.message_type, step, node))
             replies.append(self.client_app(message, self.contexts[node]))
         return replies

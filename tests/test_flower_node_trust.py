@@ -24,7 +24,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message  # noqa: E402
 
 from dadfl import flower  # noqa: E402
 from dadfl.config import ConfigError  # noqa: E402
-from dadfl.flower_policy import MAX_SETTINGS_CHARS, NodePolicy  # noqa: E402
+from dadfl.flower.policy import MAX_SETTINGS_CHARS, NodePolicy  # noqa: E402
 from dadfl.sanitize import REASON_CHARS  # noqa: E402
 from dadfl.simulation import StrategySpec  # noqa: E402
 from dadfl.workloads import BUILTIN  # noqa: E402

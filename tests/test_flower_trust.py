@@ -212,7 +212,7 @@ def test_arrays_decode_as_numpy_reads_them_in_either_memory_order():
     """The bounded reader gives what ``np.load`` gives, for C- and Fortran-ordered arrays."""
     values = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
     for array in (values, np.asfortranarray(values), values.transpose(2, 0, 1)):
-        decoded = flower._decode_array("layer:A", Array(array), {flower.NUMPY_DTYPES[np.dtype(np.float32)]})
+        decoded = flower.records._decode_array("layer:A", Array(array), {flower.NUMPY_DTYPES[np.dtype(np.float32)]})
         assert decoded.numpy().tobytes() == Array(array).numpy().tobytes()
         assert decoded.shape == array.shape
 

@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 
 from dadfl.cli import app
 from dadfl.client.config import EvaluationData
-from dadfl.client.data import hold_out, read_data_file
+from dadfl.client.data import hold_out
+from dadfl.data_files import read_data_file
 from dadfl.metrics import MetricsWriter, read_metrics
 from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.server.config import ServerConfig, WorkloadConfig

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from dadfl.client.site import INLINE_BYTES
-from dadfl.privacy import DPConfig
+from dadfl.privacy.accounting import DPConfig
 from dadfl.replica import OptimizerConfig, Replica
 from dadfl.simulation import SimulationConfig, StrategySpec
 from dadfl.strategies import Layout, make_strategy, reference_update

@@ -16,7 +16,7 @@ import torch
 
 from dadfl.metrics import read_metrics
 from dadfl.server.coordinator import ModelNotFinite
-from dadfl.server.screening import model_fault, nonfinite_reason, weights_finite
+from dadfl.trust.screening import model_fault, nonfinite_reason, weights_finite
 from dadfl.strategies import Payload
 from network_helpers import ServerThread, SiteThread, server_config, site_config
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from dadfl.strategies import Layout, make_strategy
 from dadfl.strategies.capture import per_sample_losses
-from dadfl.strategies.privacy import ClipPlan, clipped_local_step, refuse_sample_mixing
+from dadfl.strategies.sample_clipping import ClipPlan, clipped_local_step, refuse_sample_mixing
 from dadfl.strategies.step import exchange
 from dadfl.workloads import load_workload
 from model_zoo import build, per_sample_cross_entropy, site_batches
@@ -234,7 +234,8 @@ def test_parameters_read_otherwise_or_time_major_get_autograd_norms():
 from pydantic import ValidationError  # noqa: E402
 
 from dadfl.metrics import MetricsWriter, read_metrics  # noqa: E402
-from dadfl.privacy import CoordinatorNoise, DPConfig, PrivacyBudget, check_dp_strategy, epsilon  # noqa: E402
+from dadfl.privacy.accounting import DPConfig, PrivacyBudget, check_dp_strategy, epsilon  # noqa: E402
+from dadfl.privacy.coordinator import CoordinatorNoise  # noqa: E402
 from dadfl.simulation import SimulationConfig, StrategySpec, simulate  # noqa: E402
 from dadfl.workloads import partition  # noqa: E402
 from dadfl.workloads.batches import poisson_positions  # noqa: E402
@@ -342,7 +343,7 @@ def test_the_release_count_is_on_disk_before_a_release_and_never_resets(tmp_path
     (checkpointed or not), fresh noise, and a refusal to start on a count it cannot trust."""
     pytest.importorskip("opacus")
     from dadfl.protos.codec import codec_id
-    from dadfl.server.privacy import RELEASES, RELEASES_FILE, ServerPrivacy
+    from dadfl.privacy.coordinator import RELEASES, RELEASES_FILE, ServerPrivacy
 
     model, layout = torch.nn.Linear(4, 3, bias=False), Layout((), ("weight",), ((3, 4),), ())
     config = DPConfig(noise_multiplier=1.0, max_sample_rate=0.1)

@@ -13,9 +13,9 @@ import grpc
 import pytest
 
 from dadfl.client.data import site_dataset
-from dadfl.client.privacy_ledger import LEDGER_FILE, BudgetSpent, LedgerEntry, LedgerFile, PrivacyLedger, composed_epsilon, rdp_epsilon
-from dadfl.client.run_checks import PrivateRefusal, RunRefused
-from dadfl.privacy import epsilon, site_sample_rate
+from dadfl.privacy.ledger import LEDGER_FILE, BudgetSpent, LedgerEntry, LedgerFile, PrivacyLedger, composed_epsilon, rdp_epsilon
+from dadfl.trust.run_checks import PrivateRefusal, RunRefused
+from dadfl.privacy.accounting import epsilon, site_sample_rate
 from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.protos import coordinator_pb2_grpc as cpb_grpc
 from dadfl.protos.channel import PROTOCOL_VERSION

@@ -8,11 +8,12 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from dadfl.client.config import PrivacyPolicy, SiteConfig
-from dadfl.client.privacy_ledger import LEDGER_FILE
-from dadfl.client.run_checks import RunRefused, check_run_config
+from dadfl.client.config import SiteConfig
+from dadfl.trust.run_policy import PrivacyPolicy
+from dadfl.privacy.ledger import LEDGER_FILE
+from dadfl.trust.run_checks import RunRefused, check_run_config
 from dadfl.metrics import MetricsWriter, read_metrics
-from dadfl.privacy import SitePrivacy, epsilon
+from dadfl.privacy.accounting import SitePrivacy, epsilon
 from dadfl.server import simulate_processes
 from dadfl.server.config import ServerConfig
 from dadfl.simulation import SimulationConfig, StrategySpec, simulate

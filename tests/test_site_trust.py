@@ -30,8 +30,8 @@ from typer.testing import CliRunner
 
 from dadfl.cli import app
 from dadfl.client.config import SiteConfig
-from dadfl.client.data_checks import DataMismatch
-from dadfl.client.run_checks import RunRefused, build_workload, check_run_config, workload_allowed
+from dadfl.data_files import DataMismatch
+from dadfl.trust.run_checks import RunRefused, build_workload, check_run_config, workload_allowed
 from dadfl.model_identity import line_hashes, model_probe
 from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.protos import coordinator_pb2_grpc as cpb_grpc
@@ -467,7 +467,7 @@ def test_a_site_whose_model_file_differs_from_the_coordinators_leaves_saying_how
 
 
 def test_the_model_probe_from_the_wire_is_checked_and_leaves_the_model_as_it_was():
-    from dadfl.client.run_checks import check_same_model
+    from dadfl.trust.run_checks import check_same_model
     from dadfl.model_identity import PROBE_VALUES
     from dadfl.replica import OptimizerConfig, Replica
     from dadfl.strategies import make_strategy

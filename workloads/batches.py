@@ -141,7 +141,7 @@ def poisson_positions(num_samples: int, rate: float, seed: int | None, step: int
     ``seed``, from a generator seeded by (seed, step) alone: a replayed step draws the same
     batch (the in-process simulation, which never replays). With ``seed`` None, from the
     operating system's randomness at every call: a replayed step is a new sample (site
-    processes, see ``dadfl/privacy.py``). The batch may be empty."""
+    processes, see ``dadfl.privacy``). The batch may be empty."""
     if not 0 < rate <= 1:
         raise ValueError(f"Poisson sampling rate must be in (0, 1], got {rate}")
     if seed is None:

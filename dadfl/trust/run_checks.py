@@ -1,4 +1,4 @@
-"""What a site checks in the coordinator's run config before it builds or imports anything.
+"""``dadfl.trust.run_checks`` — what a site checks in the coordinator's run config before it builds or imports anything.
 
 The coordinator is trusted with the model's weights, not with the site's machine. A run
 config names code (a workload factory) and its arguments; the site runs only workloads
@@ -8,6 +8,11 @@ batch size, steps and payload sizes stay under the site's ``limits``, and the mo
 size is measured on torch's meta device before a single weight is allocated.
 Differential privacy is held to the site's own floor (``[privacy]``): the public
 parameters of the run's [dp] are checked, and its ε recomputed, here too.
+
+The checks are a chain of small steps, each taking a typed record and returning it or raising
+:class:`RunRefused`: the field checks (``CONFIG_CHECKS``) on the ``RunConfig`` message, then
+``parse_run`` into a :class:`CheckedRun`, then the checks of the parsed run (``RUN_CHECKS``).
+The built workload is checked last, against the coordinator's model (``check_same_model``).
 """
 
 from __future__ import annotations
@@ -18,22 +23,22 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from pydantic import ValidationError
 
-from dadfl.protos import coordinator_pb2 as cpb
-from dadfl.protos.codec import CODECS
 from dadfl.model_identity import MAX_LAYOUT_LINES, PROBE_TOLERANCE, PROBE_VALUES, layout_difference, probe_distance
 from dadfl.options import strategy_options, validation_summary
-from dadfl.privacy import SitePrivacy, check_dp_strategy
+from dadfl.privacy.accounting import SitePrivacy, check_dp_strategy
+from dadfl.protos import coordinator_pb2 as cpb
+from dadfl.protos.codec import CODECS
 from dadfl.replica import OptimizerConfig, Replica
 from dadfl.sanitize import printable
 from dadfl.strategies import STRATEGIES, Strategy, make_strategy
 from dadfl.workloads import BUILTIN, Workload, load_workload
 
-from .config import WORKLOAD_SPEC, PrivacyPolicy, RunLimits, RunPolicy
+from .run_policy import WORKLOAD_SPEC, PrivacyPolicy, RunLimits, RunPolicy
 
 log = logging.getLogger("dadfl.site")
 
@@ -79,36 +84,65 @@ def workload_allowed(spec: str, allowed: list[str]) -> bool:
     return any(entry.endswith(".") and f"{module}.".startswith(entry) for entry in allowed)
 
 
-def check_run_config(config: cpb.RunConfig, site: RunPolicy, max_chunk_bytes: int) -> CheckedRun:
-    """Every field of the coordinator's run config checked against this site's config; no import of
-    workload code happens here. Raises :class:`RunRefused` naming the field and what would allow it."""
-    limits = site.limits
+def check_run_id(config: cpb.RunConfig, site: RunPolicy) -> cpb.RunConfig:
     if not re.fullmatch(RUN_ID, config.run_id):
         raise RunRefused(f"the coordinator sent run_id {printable(config.run_id)}: expected 1-64 letters, digits, '_' or '-'")
+    return config
+
+
+def check_workload_allowed(config: cpb.RunConfig, site: RunPolicy) -> cpb.RunConfig:
+    """The workload by name alone, before anything could import it (``allowed_workloads``)."""
     spec = config.workload
     if len(spec) > MAX_SPEC_CHARS or not workload_allowed(spec, site.allowed_workloads):
         raise RunRefused(
             f"the coordinator asks for workload {printable(spec)}, which this site does not allow; "
             f"to run it, add it (or its module prefix, e.g. 'package.') to allowed_workloads in the site config"
         )
+    return config
+
+
+def check_sizes(config: cpb.RunConfig, site: RunPolicy) -> cpb.RunConfig:
+    """Batch size, steps and payload size within the site's ``limits``."""
+    limits = site.limits
+    bound("batch_size", config.batch_size, 1, limits.max_batch_size, "limits.max_batch_size")
+    bound("steps", config.steps, 1, limits.max_steps, "limits.max_steps")
+    bound("max_payload_bytes", config.max_payload_bytes, MIN_CHUNK_BYTES, limits.max_payload_bytes, "limits.max_payload_bytes")
+    return config
+
+
+def check_codec(config: cpb.RunConfig, site: RunPolicy) -> cpb.RunConfig:
+    if config.codec not in CODECS:
+        raise RunRefused(f"the coordinator sent codec {printable(config.codec)}; this site knows {', '.join(CODECS)}")
+    return config
+
+
+def check_model_identity(config: cpb.RunConfig, site: RunPolicy) -> cpb.RunConfig:
+    """The fields that identify the coordinator's model (``check_same_model`` compares them), bounded."""
+    if not re.fullmatch(FINGERPRINT, config.layout_fingerprint):
+        raise RunRefused(f"the coordinator sent layout fingerprint {printable(config.layout_fingerprint)}: expected hex digits")
+    bound("model_probe values", len(config.model_probe), 0, PROBE_VALUES, None)
+    bound("layout_line_hashes", len(config.layout_line_hashes), 0, MAX_LAYOUT_LINES, None)
+    return config
+
+
+def check_precision(config: cpb.RunConfig, site: RunPolicy) -> cpb.RunConfig:
+    precision = config.precision or "fp32"
+    if precision not in site.limits.precisions:
+        raise RunRefused(
+            f"the coordinator asks for precision {printable(precision)}; this site trains at {', '.join(site.limits.precisions)} "
+            "(limits.precisions in the site config)"
+        )
+    return config
+
+
+def parse_run(config: cpb.RunConfig) -> CheckedRun:
+    """The run config's JSON fields parsed and typed: options, strategy, optimizer, [dp]."""
     workload_options = parse_options(config.workload_options, "workload_options")
     strategy = checked_strategy(config.strategy, parse_options(config.strategy_options, "strategy_options"))
     try:
         optimizer = OptimizerConfig.model_validate(parse_options(config.optimizer, "optimizer"), strict=True)
     except ValidationError as exc:
         raise RunRefused(f"the coordinator's optimizer is not valid: {validation_summary(exc)}") from None
-    bound("batch_size", config.batch_size, 1, limits.max_batch_size, "limits.max_batch_size")
-    # A step of a strategy with local steps (FedAvg, DiLoCo) reads one batch per inner step.
-    bound("batch_size × local steps", config.batch_size * strategy.batches_per_step(), 1, limits.max_batch_size, "limits.max_batch_size")
-    bound("steps", config.steps, 1, limits.max_steps, "limits.max_steps")
-    bound("max_payload_bytes", config.max_payload_bytes, MIN_CHUNK_BYTES, limits.max_payload_bytes, "limits.max_payload_bytes")
-    bound("chunk_bytes", config.chunk_bytes, MIN_CHUNK_BYTES, max_chunk_bytes, None)
-    if config.codec not in CODECS:
-        raise RunRefused(f"the coordinator sent codec {printable(config.codec)}; this site knows {', '.join(CODECS)}")
-    if not re.fullmatch(FINGERPRINT, config.layout_fingerprint):
-        raise RunRefused(f"the coordinator sent layout fingerprint {printable(config.layout_fingerprint)}: expected hex digits")
-    bound("model_probe values", len(config.model_probe), 0, PROBE_VALUES, None)
-    bound("layout_line_hashes", len(config.layout_line_hashes), 0, MAX_LAYOUT_LINES, None)
     privacy = None
     if config.dp:
         try:
@@ -118,16 +152,43 @@ def check_run_config(config: cpb.RunConfig, site: RunPolicy, max_chunk_bytes: in
             raise RunRefused(f"the coordinator's dp section is not valid: {validation_summary(exc)}") from None
         except ValueError as exc:
             raise RunRefused(f"the coordinator asks for differential privacy with a strategy that cannot give it: {exc}") from None
-    check_privacy_floor(privacy, config.steps, site.privacy)
-    precision = config.precision or "fp32"
-    if precision not in limits.precisions:
-        raise RunRefused(
-            f"the coordinator asks for precision {printable(precision)}; this site trains at {', '.join(limits.precisions)} "
-            "(limits.precisions in the site config)"
-        )
-    if privacy is not None and precision != "fp32":
-        raise RunRefused(f"the coordinator asks for precision {precision} with [dp]; per-sample clipping runs in fp32")
-    return CheckedRun(spec, workload_options, strategy, optimizer, privacy, precision)
+    return CheckedRun(config.workload, workload_options, strategy, optimizer, privacy, config.precision or "fp32")
+
+
+def check_local_batches(run: CheckedRun, config: cpb.RunConfig, site: RunPolicy) -> CheckedRun:
+    # A step of a strategy with local steps (FedAvg, DiLoCo) reads one batch per inner step.
+    batches = config.batch_size * run.strategy.batches_per_step()
+    bound("batch_size × local steps", batches, 1, site.limits.max_batch_size, "limits.max_batch_size")
+    return run
+
+
+def check_privacy(run: CheckedRun, config: cpb.RunConfig, site: RunPolicy) -> CheckedRun:
+    """The run's [dp] against the site's floor, and in the precision per-sample clipping needs."""
+    check_privacy_floor(run.privacy, config.steps, site.privacy)
+    if run.privacy is not None and run.precision != "fp32":
+        raise RunRefused(f"the coordinator asks for precision {run.precision} with [dp]; per-sample clipping runs in fp32")
+    return run
+
+
+# The chain, in order; the first step that refuses names the field. Field checks read the
+# config alone; the run checks read the parsed run (``parse_run``) with it.
+CONFIG_CHECKS: tuple[Callable[[cpb.RunConfig, RunPolicy], cpb.RunConfig], ...] = (
+    check_run_id, check_workload_allowed, check_sizes, check_codec, check_model_identity, check_precision,
+)
+RUN_CHECKS: tuple[Callable[[CheckedRun, cpb.RunConfig, RunPolicy], CheckedRun], ...] = (check_local_batches, check_privacy)
+
+
+def check_run_config(config: cpb.RunConfig, site: RunPolicy, max_chunk_bytes: int) -> CheckedRun:
+    """Every field of the coordinator's run config checked against this site's config; no import of
+    workload code happens here. Raises :class:`RunRefused` naming the field and what would allow it.
+    ``max_chunk_bytes``: the largest gRPC message this site's channel takes."""
+    for check in CONFIG_CHECKS:
+        config = check(config, site)
+    bound("chunk_bytes", config.chunk_bytes, MIN_CHUNK_BYTES, max_chunk_bytes, None)
+    run = parse_run(config)
+    for check in RUN_CHECKS:
+        run = check(run, config, site)
+    return run
 
 
 def check_privacy_floor(privacy: SitePrivacy | None, steps: int, policy: PrivacyPolicy) -> None:

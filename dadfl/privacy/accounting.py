@@ -1,46 +1,6 @@
-"""Sample-level DP-SGD across the federation: the [dp] configuration, the coordinator's
-noise and the accountant. The sites' half (per-sample clipping read off the factors) is
-``dadfl.strategies.privacy``; what each party sees is in ``docs/privacy.md``.
-
-One step, in order:
-
-1. every site draws its batch by **Poisson sampling** (each of its n_s records with
-   probability q_s = min(1, batch_size / n_s)) and clips every sample's gradient to C. A
-   site process draws each upload's batch from the operating system's randomness, so a
-   step replayed after a coordinator restart, or a retried attempt, is a new sample:
-   every release is then one independent step of the sampled Gaussian mechanism, as the
-   accountant counts it. (Releasing the same sample twice with fresh noise would cost as
-   much as one step at σ/√2, far more than two steps at σ.) The in-process simulation,
-   which never replays, seeds the draw by (seed, step);
-2. the strategy carries the clipped sum to the coordinator exactly (its own factors,
-   checks and bounds unchanged) and the coordinator decodes it: S = Σ_i c_i g_i;
-3. the coordinator adds N(0, σ²C²) to every parameter's sum from its **own generator**
-   (seeded from the operating system at every start, never sent, never logged, never
-   saved) and divides by the *expected* batch B = Σ_s q_s n_s, not the drawn one, whose
-   size is itself private: update = (S + z) / B;
-4. that dense noisy update is the whole downlink, for every strategy: sites never see
-   another site's factors, the noise, or the drawn batch size.
-
-**Accounting.** Each step is the sampled Gaussian mechanism with noise multiplier σ and
-sampling rate q = max_s q_s (a record sampled less often is protected at least as well);
-ε after T steps at δ is Opacus's RDP accountant (or its PRV accountant) for (q, σ, T).
-With ``target_epsilon`` alone, σ is the smallest that keeps ε ≤ target after the planned
-steps; with both ``noise_multiplier`` and ``target_epsilon``, σ is given and the run stops
-before the step that would take ε above the target.
-
-**Strategies.** The guarantee needs the released update to move by at most C when one
-record comes or goes. dsgd, dad, auto and edad decode exactly the clipped sum. rank-dAD
-and PowerSGD do not: a rank-r approximation computed from the batch, and error-feedback
-memory that releases a record's residual again at later steps, have a per-record
-sensitivity that C does not bound — so they are refused with [dp] rather than reported
-with an ε that does not hold. (PowerSGD's first phase would also send sites an unnoised
-aggregate.)
-
-**Restarts: privacy over reproducibility.** A restarted coordinator draws fresh noise and
-counts every replayed step as a new release (``server/privacy.py`` keeps the count on
-disk before each release goes out). Replaying a step with the noise of its first release
-would let a site that saw both subtract them when the participants differ; so under [dp]
-a resumed run is not bit-identical to an uninterrupted one (without [dp] it still is).
+"""``dadfl.privacy.accounting`` — the ``[dp]`` configuration, its public half sent to sites,
+and the accountant: ε of the sampled Gaussian mechanism (σ, q, T, δ) by Opacus's RDP or PRV
+accountant, and which strategies [dp] admits (the run as a whole: ``dadfl.privacy``).
 """
 
 from __future__ import annotations
@@ -48,22 +8,15 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import secrets
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
-import torch
 from pydantic import Field, model_validator
 
-from dadfl.strategies import Layout, Payload
-from dadfl.strategies.base import GRAD_ROLE, tensor_key
-
-from .config import StrictModel
+from dadfl.config import StrictModel
+from dadfl.strategies import STRATEGIES
 
 log = logging.getLogger("dadfl.privacy")
-
-EXACT_STRATEGIES = ("dsgd", "dad", "auto", "edad")
-LOCAL_STEP_STRATEGIES = ("fedavg", "diloco")
 
 
 class DPConfig(StrictModel):
@@ -131,17 +84,26 @@ def poisson_cap(batch_size: int) -> int:
 
 
 def check_dp_strategy(name: str) -> None:
-    """Refuse a strategy whose released update is not exactly the clipped sum (module doc)."""
-    if name in LOCAL_STEP_STRATEGIES:
+    """Refuse a strategy whose released update is not exactly the clipped sum (``Strategy.supports_dp``;
+    ``dadfl.privacy``)."""
+    cls = STRATEGIES.get(name)
+    if cls is None:
+        raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
+    if cls.supports_dp:
+        return
+    if cls.has_local_steps:
         why = ("its update is a model delta after several local steps, in which one record can act many times; "
                "per-sample clipping bounds one step's gradient, not that delta")
-    elif name not in EXACT_STRATEGIES:
+    else:
         why = ("its update is a low-rank approximation computed from the batch (with error-feedback memory), "
                "whose change when one record comes or goes max_grad_norm does not bound")
-    else:
-        return
     raise ValueError(f"strategy {name!r} cannot run with [dp]: {why}, so no ε would hold; "
-                     f"use one of {', '.join(EXACT_STRATEGIES)} (see docs/privacy.md)")
+                     f"use one of {', '.join(dp_strategies())} (see docs/privacy.md)")
+
+
+def dp_strategies() -> list[str]:
+    """The registered strategies that can run with [dp]."""
+    return [name for name, cls in STRATEGIES.items() if cls.supports_dp]
 
 
 def site_sample_rate(batch_size: int, num_samples: int) -> float:
@@ -225,41 +187,6 @@ class PrivacyBudget:
         }
 
 
-class CoordinatorNoise:
-    """The coordinator's Gaussian noise, from a generator nobody else holds.
-
-    ``seed`` None (the coordinator) draws the seed from the operating system, anew at every
-    start, and the generator is never saved: a replayed step gets fresh noise (module doc).
-    A simulation may pass a seed so that a benchmark is reproducible.
-    """
-
-    def __init__(self, budget: PrivacyBudget, seed: int | None = None):
-        self.budget = budget
-        self.generator = torch.Generator().manual_seed(secrets.randbits(63) if seed is None else seed)
-
-    def __repr__(self) -> str:  # never the generator's state
-        return f"CoordinatorNoise(σ={self.budget.noise_multiplier:g}, C={self.budget.max_grad_norm:g})"
-
-    def privatize(
-        self, layout: Layout, update: dict[str, torch.Tensor], num_samples: int, expected: float, step: int
-    ) -> Payload:
-        """The noisy dense downlink: for every trainable parameter, (S + z) / B with
-        S = update · N the clipped sum, z ~ N(0, σ²C²), B the expected batch."""
-        if not expected > 0:
-            raise ValueError(f"the expected batch must be positive, got {expected}")
-        std = self.budget.noise_multiplier * self.budget.max_grad_norm
-        tensors = {}
-        for name, shape in zip(layout.params, layout.shapes):
-            noise = torch.randn(shape, generator=self.generator)  # CPU, float32: the same numbers on every device
-            clipped_sum = update.get(name)
-            if clipped_sum is None:  # no sample reached it: the noise alone
-                total = noise * std
-            else:
-                total = clipped_sum.detach().to(torch.float32).cpu() * num_samples + noise * std
-            tensors[tensor_key(name, GRAD_ROLE)] = total / expected
-        return Payload(step, 0, max(1, round(expected)), tensors)
-
-
 def expected_batch(batch_size: int, site_sizes: Sequence[int]) -> float:
     """B = Σ_s q_s n_s = Σ_s min(batch_size, n_s)."""
     return float(sum(min(batch_size, n) for n in site_sizes))
@@ -272,19 +199,3 @@ def log_plan(budget: PrivacyBudget, steps: int) -> None:
         budget.epsilon(steps), budget.accountant,
         f"; stops before ε exceeds {budget.stop_epsilon:g}" if budget.stop_epsilon is not None else "",
     )
-
-
-__all__ = [
-    "DPConfig", "SitePrivacy", "PrivacyBudget", "poisson_cap", "CoordinatorNoise", "check_dp_strategy", "epsilon", "expected_batch",
-    "site_sample_rate",
-]
-
-
-def private_step(strategy, layout: Layout, model, site_halves: Sequence, server, locals_: Sequence, noise: CoordinatorNoise, expected: float, step: int) -> tuple[Payload, int]:
-    """One step of a one-phase exact strategy under DP, in process: the sites' uploads, the
-    strategy's aggregate decoded at the coordinator (the clipped sum, never sent), and the
-    noisy dense downlink every replica applies. Returns (downlink, bytes up)."""
-    payloads = [half.begin(local, step) for half, local in zip(site_halves, locals_)]
-    total = sum(p.num_samples for p in payloads)
-    update = strategy.decode(layout, [server.aggregate(payloads)], model) if payloads else {}
-    return noise.privatize(layout, update, total, expected, step), sum(p.nbytes() for p in payloads)

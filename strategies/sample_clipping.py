@@ -1,9 +1,12 @@
-"""Per-sample clipping read off the factors: the site's half of sample-level DP-SGD.
+"""``dadfl.strategies.sample_clipping`` — per-sample clipping read off the factors: the site's
+half of sample-level DP-SGD. It lives with the strategies, not in ``dadfl.privacy``, because it is
+factor math: it reads the captured calls' A and Δ (``capture.py``, ``layout.py``) and changes
+the Δ every strategy then carries; the accounting and the noise are ``dadfl.privacy``'s.
 
 DP-SGD bounds what one sample can change: every sample's gradient g_i (all parameters
 together) is scaled by c_i = min(1, C/‖g_i‖) before the sum, so one sample moves the sum
 by at most C, and the coordinator's Gaussian noise N(0, σ²C²) hides it
-(``dadfl/privacy.py``). What needs computing per sample is only the norm ‖g_i‖; the
+(``dadfl.privacy``). What needs computing per sample is only the norm ‖g_i‖; the
 clipped sum then follows from one more backward.
 
 **Norms from the factors.** A captured weight's per-sample gradient is a sum of outer

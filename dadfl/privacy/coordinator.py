@@ -1,8 +1,8 @@
-"""The coordinator's half of [dp], a step between the strategy's aggregate and the wire.
+"""``dadfl.privacy.coordinator`` — the coordinator's half of [dp], a step between the strategy's aggregate and the wire.
 
 The strategy's server half aggregates and checks the sites' uploads as always; its
 message is decoded here into the clipped sum and never sent. ``release`` replaces it by
-the dense noisy update (``dadfl/privacy.py``): the only thing sites receive in a step.
+the dense noisy update (:class:`CoordinatorNoise`): the only thing sites receive in a step.
 Every release counts for the accountant — also one whose step is then aborted, since
 sites have seen it — so ε is the value after ``releases`` sampled Gaussian steps.
 
@@ -34,21 +34,69 @@ import dataclasses
 import json
 import logging
 import os
+import secrets
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
-from dadfl.privacy import CoordinatorNoise, DPConfig, PrivacyBudget, log_plan, poisson_cap
 from dadfl.protos.codec import roundtrip
 from dadfl.strategies import Layout, Payload
-from dadfl.strategies.base import decode_message
-from dadfl.strategies.privacy import refuse_learning_buffers, refuse_sample_mixing
+from dadfl.strategies.base import GRAD_ROLE, decode_message, tensor_key
+from dadfl.strategies.sample_clipping import refuse_learning_buffers, refuse_sample_mixing
+
+from .accounting import DPConfig, PrivacyBudget, log_plan, poisson_cap
 
 log = logging.getLogger("dadfl.server")
 
 STATE_PREFIX = "dp/"
 RELEASES = "dp/releases"
 RELEASES_FILE = "dp_releases.json"
+
+
+class CoordinatorNoise:
+    """The coordinator's Gaussian noise, from a generator nobody else holds.
+
+    ``seed`` None (the coordinator) draws the seed from the operating system, anew at every
+    start, and the generator is never saved: a replayed step gets fresh noise (module doc).
+    A simulation may pass a seed so that a benchmark is reproducible.
+    """
+
+    def __init__(self, budget: PrivacyBudget, seed: int | None = None):
+        self.budget = budget
+        self.generator = torch.Generator().manual_seed(secrets.randbits(63) if seed is None else seed)
+
+    def __repr__(self) -> str:  # never the generator's state
+        return f"CoordinatorNoise(σ={self.budget.noise_multiplier:g}, C={self.budget.max_grad_norm:g})"
+
+    def privatize(
+        self, layout: Layout, update: dict[str, torch.Tensor], num_samples: int, expected: float, step: int
+    ) -> Payload:
+        """The noisy dense downlink: for every trainable parameter, (S + z) / B with
+        S = update · N the clipped sum, z ~ N(0, σ²C²), B the expected batch."""
+        if not expected > 0:
+            raise ValueError(f"the expected batch must be positive, got {expected}")
+        std = self.budget.noise_multiplier * self.budget.max_grad_norm
+        tensors = {}
+        for name, shape in zip(layout.params, layout.shapes):
+            noise = torch.randn(shape, generator=self.generator)  # CPU, float32: the same numbers on every device
+            clipped_sum = update.get(name)
+            if clipped_sum is None:  # no sample reached it: the noise alone
+                total = noise * std
+            else:
+                total = clipped_sum.detach().to(torch.float32).cpu() * num_samples + noise * std
+            tensors[tensor_key(name, GRAD_ROLE)] = total / expected
+        return Payload(step, 0, max(1, round(expected)), tensors)
+
+
+def private_step(strategy, layout: Layout, model, site_halves: Sequence, server, locals_: Sequence, noise: CoordinatorNoise, expected: float, step: int) -> tuple[Payload, int]:
+    """One step of a one-phase exact strategy under DP, in process: the sites' uploads, the
+    strategy's aggregate decoded at the coordinator (the clipped sum, never sent), and the
+    noisy dense downlink every replica applies. Returns (downlink, bytes up)."""
+    payloads = [half.begin(local, step) for half, local in zip(site_halves, locals_)]
+    total = sum(p.num_samples for p in payloads)
+    update = strategy.decode(layout, [server.aggregate(payloads)], model) if payloads else {}
+    return noise.privatize(layout, update, total, expected, step), sum(p.nbytes() for p in payloads)
 
 
 def split_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -1,7 +1,7 @@
-"""What a coordinator checks between the sites' uploads of a phase and the message it sends
+"""``dadfl.trust.screening`` — what a coordinator checks between the sites' uploads of a phase and the message it sends
 back, whichever runtime moved the bytes (the gRPC coordinator, the Flower ServerApp).
 
-The runtime first checks each upload's protocol header on its own (``validate.check_protocol``:
+The runtime first checks each upload's protocol header on its own (``dadfl.trust.protocol.check_protocol``:
 step, attempt, phase, model version, sample count). Then, over all uploads of the phase:
 
 1. :meth:`Screening.refusals` — the strategy's own rules (``Strategy.check_uploads``: known

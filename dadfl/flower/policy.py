@@ -1,5 +1,6 @@
-"""What a Flower node (the ClientApp) checks in the ServerApp's run settings before it builds
-or imports anything: the gRPC site's own checks (``client/run_checks.py``), called, not copied.
+"""``dadfl.flower.policy`` — what a Flower node (the ClientApp) checks in the ServerApp's run
+settings before it builds or imports anything: the gRPC site's own checks
+(``dadfl.trust.run_checks``), called, not copied.
 
 The ServerApp, like the gRPC coordinator, is trusted with the model's weights, not with the
 node's machine. Its settings name code (a workload, possibly ``package.module:factory``) and
@@ -40,19 +41,19 @@ from typing import Any, Callable, Mapping
 from flwr.common.constant import NUM_PARTITIONS_KEY, PARTITION_ID_KEY
 from pydantic import ValidationError
 
-from dadfl.client.config import DEVICE, RunPolicy
-from dadfl.client.run_checks import MAX_OPTIONS_CHARS, MIN_CHUNK_BYTES, CheckedRun, RunRefused, build_workload, check_run_config
 from dadfl.config import ConfigError, validate_config
 from dadfl.options import validation_summary
 from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.sanitize import one_line, printable
 from dadfl.simulation import SimulationConfig, StrategySpec
+from dadfl.trust.run_checks import MAX_OPTIONS_CHARS, MIN_CHUNK_BYTES, CheckedRun, RunRefused, build_workload, check_run_config
+from dadfl.trust.run_policy import DEVICE, RunPolicy
 from dadfl.workloads import Workload
 
 # The settings JSON carries three option objects (each at most MAX_OPTIONS_CHARS) and scalars.
 MAX_SETTINGS_CHARS = 4 * MAX_OPTIONS_CHARS
 POLICY_TABLES = ("limits", "privacy")
-NODE_SETTINGS = ("data-path", "device", "threads")  # the node config keys flower.py reads itself
+NODE_SETTINGS = ("data-path", "device", "threads")  # the node config keys the node (node.py) reads itself
 FLOWER_KEYS = (PARTITION_ID_KEY, NUM_PARTITIONS_KEY)  # set on every node by Flower's simulation engine
 RAW_CODEC = "none"  # Flower carries exact .npy arrays
 

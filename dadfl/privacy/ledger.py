@@ -1,7 +1,7 @@
-"""The site's own ledger of the differential privacy its records have spent, over every run.
+"""``dadfl.privacy.ledger`` — the site's own ledger of the differential privacy its records have spent, over every run.
 
-The coordinator counts the releases of one run (``server/privacy.py``) and a site checks a
-run's plan against its ``[privacy]`` floor before joining (``run_checks.py``). Neither
+The coordinator counts the releases of one run (``dadfl.privacy.coordinator``) and a site checks a
+run's plan against its ``[privacy]`` floor before joining (``dadfl.trust.run_checks``). Neither
 bounds what the site's records spend in all: a coordinator that restarts replays steps,
 each a new release with fresh noise, and a coordinator may start one run after another on
 the same data. So the site counts for itself: before every upload it makes under [dp] it
@@ -15,7 +15,7 @@ adds one step of (σ, q_s) to its ledger, on disk before the upload goes out, an
 - **ε:** Rényi-DP composition of every entry (Opacus's RDP analysis, the orders of its
   accountant): ε(δ) of Σ_entries steps · RDP_(σ, q)(α), at the δ of the site's budget
   (``privacy.max_delta``), whatever δ a run states. Each upload is a fresh Poisson sample
-  (``dadfl/privacy.py``), so each is one independent step of the mechanism. The ledger
+  (``dadfl.privacy``), so each is one independent step of the mechanism. The ledger
   keeps that sum per order α as it counts (derived from the entries once, at the first
   upload), so the check before an upload adds one step's curve and converts: O(orders),
   whatever the number of entries (writing the file still takes every entry: they are the
@@ -44,7 +44,7 @@ from pathlib import Path
 from pydantic import Field, ValidationError
 
 from dadfl.config import StrictModel
-from dadfl.privacy import SitePrivacy
+from .accounting import SitePrivacy
 
 log = logging.getLogger("dadfl.site")
 
