@@ -82,6 +82,7 @@ from dadfl.metrics import MetricsWriter, is_eval_step, read_metrics, run_summary
 from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.protos import tensor_pb2 as pb
 from dadfl.protos.codec import encode_payload
+from dadfl.records import StepRecord
 from dadfl.sanitize import REASON_CHARS, one_line
 
 from . import checkpoint
@@ -416,47 +417,48 @@ class StepLoop:
         full_states = {link.site_id: link.full_states for link in result.participants}
         for link in result.participants:
             link.next_step_counts()
-        record = {
-            "strategy": self.label,
-            "step": step,
-            "sites": len(result.participants),
-            "samples": result.samples,
-            "train_loss": result.loss_sum / result.samples,
-            "bytes_up": result.bytes_up,
-            "bytes_down": result.bytes_down,
-            "seconds": seconds,
-            "fingerprint": self.fingerprint,
-            "wire_bytes_up": sum(wire_up.values()),
-            "wire_bytes_down": sum(wire_down.values()),
-            "wire_bytes_up_by_site": wire_up,
-            "wire_bytes_down_by_site": wire_down,
-            # gRPC messages: one each way per phase and site once steps follow by themselves
-            "wire_messages_up_by_site": messages_up,
-            "wire_messages_down_by_site": messages_down,
-            # sent because a site's weights differed (block repairs and full states), within wire_bytes_down
-            "repair_bytes_by_site": repair_bytes,
-            "full_states_by_site": full_states,
-            "phase_seconds": result.phase_seconds,
-            "site_ids": [link.site_id for link in result.participants],
-            "attempt": attempt,
-            "fingerprint_mismatches": mismatched,
-            **self.screening.weights_record(step, [link.site_id for link in result.participants]),
-            **(self.strategy.describe(self.layout, result.messages) if not self.privacy else {}),
-        }
+        record = StepRecord(
+            strategy=self.label,
+            step=step,
+            sites=len(result.participants),
+            samples=result.samples,
+            train_loss=result.loss_sum / result.samples,
+            bytes_up=result.bytes_up,
+            bytes_down=result.bytes_down,
+            seconds=seconds,
+            fingerprint=self.fingerprint,
+            wire_bytes_up=sum(wire_up.values()),
+            wire_bytes_down=sum(wire_down.values()),
+            wire_bytes_up_by_site=wire_up,
+            wire_bytes_down_by_site=wire_down,
+            wire_messages_up_by_site=messages_up,
+            wire_messages_down_by_site=messages_down,
+            repair_bytes_by_site=repair_bytes,
+            full_states_by_site=full_states,
+            phase_seconds=result.phase_seconds,
+            site_ids=[link.site_id for link in result.participants],
+            attempt=attempt,
+            fingerprint_mismatches=mismatched,
+            diagnostics={
+                **self.screening.weights_record(step, [link.site_id for link in result.participants]),
+                **(self.strategy.describe(self.layout, result.messages) if not self.privacy else {}),
+            },
+        )
         if self.privacy and (is_eval_step(step, self.config.training.eval_every, steps) or self.privacy.stop_reason()):
-            record["dp_epsilon"] = self.privacy.epsilon()
+            record.dp_epsilon = self.privacy.epsilon()
         if is_eval_step(step, self.config.training.eval_every, steps):
             evals = self._checked_evals(result.site_evals)
             if evals:
-                record.update(combine(evals))
+                record.evaluation.update(combine(evals))
             test = self.replica.workload.test
             if test is not None and len(test):
                 scores = await asyncio.to_thread(self.replica.evaluate)
-                record.update({f"test_{k}": v for k, v in scores.items()})
-        metrics.write(record)
+                record.evaluation.update({f"test_{k}": v for k, v in scores.items()})
+        row = record.to_json()
+        metrics.write(row)
         if self._checkpoints_after(step) or (self.privacy and self.privacy.stop_reason()):
             await asyncio.to_thread(self._save_checkpoint)
-        return record
+        return row
 
     def _save_checkpoint(self) -> None:
         """Checkpoint the committed steps: the replica, the server half at the next step's start."""
