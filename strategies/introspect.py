@@ -33,8 +33,9 @@ from typing import Mapping, Sequence
 
 import torch
 
-from .base import Factors, group_rows, weight_from_factors, weight_from_lookups
+from .base import group_rows, weight_from_factors, weight_from_lookups
 from .layout import Layout
+from .payload import Factors
 
 FRACTIONS = (0.90, 0.99)
 MAX_SIZE = 512

@@ -145,7 +145,6 @@ import torch
 from .base import (
     DEFAULT_RAW_INPUT,
     GRAD_ROLE,
-    Factors,
     LocalResult,
     Payload,
     StateDict,
@@ -163,6 +162,7 @@ from .base import (
     tensors_under,
     with_prefix,
 )
+from .payload import Factors
 from .checks import RANK, Form, Spec, Unit, all_finite, layerwise_terms
 from .introspect import energy_ranks, factor_energies
 from .layout import CapturedLayer, Layout
