@@ -65,6 +65,9 @@ def strategy_label(name: str, options: dict, label: str = "") -> str:
 
 
 class Coordinator(Admission, SiteStreams, PhaseUploads, StepLoop, cpb_grpc.CoordinatorServicer):
+    """One run's coordinator: the state the four parts share, set up (or resumed from the
+    checkpoint in ``run_dir``) before the server listens."""
+
     def __init__(self, config: ServerConfig):
         self.config = config
         self.replica = build_replica(config)
