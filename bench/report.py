@@ -345,7 +345,7 @@ def summary_lines(results: dict, settings: list[dict], links: dict | None, peers
     return lines + [""]
 
 
-RUNTIME_PAGE = "runtime.md"  # hand-written beside the generated page
+RUNTIME_PAGE = "benchmarks-runtime.md"  # hand-written beside the generated page
 
 
 def machine_lines(results: dict) -> list[str]:

@@ -528,7 +528,7 @@ class Site:
 
         try:
             await call.done_writing()
-            async with asyncio.timeout(FINISHED_STATUS_S):  # not wait_for, which may drop a cancel (coordinator.py)
+            async with asyncio.timeout(FINISHED_STATUS_S):  # not wait_for, which may drop a cancel (server/uploads.py)
                 await until_end()
         except (TimeoutError, asyncio.InvalidStateError, grpc.RpcError):
             pass  # the run has finished either way

@@ -1,20 +1,7 @@
 """Metrics as JSON lines: one record per step, the same keys in every runtime.
 
-Keys of a step record: ``strategy``, ``step``, ``sites``, ``samples`` (N),
-``train_loss`` (mean over the step's samples), ``bytes_up`` and ``bytes_down`` (exact
-payload bytes summed over all sites; down counts every site's copy), ``seconds``,
-``fingerprint`` (weights after the step), and optionally ``test_loss``,
-``test_<metric>``, the effective ranks and ``wire_bytes_up``/``wire_bytes_down``
-(bytes measured on the network, framing included). Effective ranks
-(``strategies/introspect.py``): ``rank90/<layer>/<part>`` and ``rank99/…``, the number of
-leading components holding 90% / 99% of the energy (Σσ²) of a layer's gradient, ``<part>``
-``site<s>`` (site s's gradient Δ_sᵀA_s), ``sum`` (their sum) — from the sites' factors, in
-the in-process simulation with a factor strategy — or ``update`` (the rank-r update rank-dAD
-sent, in every runtime). In the networked runtime a step's
-``wire_bytes_up_by_site`` is every message the site sent for that step, its ``step_done``
-included even when it rides in the next step's first upload chunk (``previous_done``: those
-bytes count towards the done's step, the rest of that message towards the next step);
-``wire_messages_up_by_site`` counts that message once, in the next step.
+Every runtime writes :meth:`dadfl.records.StepRecord.to_json` (``dadfl/records/step.py``
+names each key); this module writes and reads the lines and summarises a run.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import torch
 from pydantic import Field
 from torch.utils.data import DataLoader, Dataset
 
-from dadfl.strategies import Layout, Payload, Strategy, apply_update, local_step, weights_fingerprint
+from dadfl.strategies import Payload, Strategy, apply_update, local_step, probe_layout, weights_fingerprint
 from dadfl.strategies.base import LocalResult, decode_message
 from dadfl.strategies.precision import check_precision
 from dadfl.strategies.canonical import float64_payload
@@ -89,7 +89,7 @@ class Replica:
         # FedAvg and DiLoCo apply the round's mean delta with their own outer optimizer.
         outer = self.strategy.outer_optimizer(self.model.parameters())
         self.optimizer = outer if outer is not None else self.optimizer_config.build(self.model.parameters())
-        self.layout = Layout.from_model(self.model, example, self.precision)
+        self.layout = probe_layout(self.model, example, self.precision)
         self.half = self.strategy.site(self.layout, self.model)
         if self.precision != "fp32" and hasattr(self.half, "train_round"):
             raise ValueError(

@@ -27,6 +27,7 @@ from .config import Precision, StrictModel
 from .metrics import MetricsWriter, is_eval_step, run_summary
 from .privacy.accounting import DPConfig, PrivacyBudget, check_dp_strategy, expected_batch, log_plan, site_sample_rate
 from .privacy.coordinator import CoordinatorNoise, private_step
+from .records import StepRecord
 from .replica import OptimizerConfig, Replica, check_dp_precision, resolve_device
 from .strategies.robust import DEFAULT_CLIP_RATIO, check_clip_ratio
 from .trust.screening import Screening
@@ -221,27 +222,30 @@ def _simulate(config: SimulationConfig, spec: StrategySpec, metrics: MetricsWrit
         if len(fingerprints) != 1:
             raise ReplicaDivergence(f"{spec.display}: replicas differ after step {step}")
         samples = sum(local.num_samples for local in locals_)
-        record = {
-            "strategy": spec.display,
-            "step": step,
-            "sites": len(sites),
-            "samples": samples,
-            "train_loss": sum(local.loss_sum for local in locals_) / samples if samples else float("nan"),
-            "bytes_up": bytes_up,
-            "bytes_down": bytes_down,
-            "seconds": elapsed,
-            "fingerprint": fingerprints.pop(),
-            **(strategy.describe(coordinator.layout, messages) if budget is None else {}),
-            **screening.weights_record(step, [f"site-{s}" for s in range(len(sites))]),
-            **(gradient_ranks(coordinator.layout, [local.factors for local in locals_]) if introspects(step) else {}),
-        }
+        record = StepRecord(
+            strategy=spec.display,
+            step=step,
+            sites=len(sites),
+            samples=samples,
+            train_loss=sum(local.loss_sum for local in locals_) / samples if samples else float("nan"),
+            bytes_up=bytes_up,
+            bytes_down=bytes_down,
+            seconds=elapsed,
+            fingerprint=fingerprints.pop(),
+            diagnostics={
+                **(strategy.describe(coordinator.layout, messages) if budget is None else {}),
+                **screening.weights_record(step, [f"site-{s}" for s in range(len(sites))]),
+                **(gradient_ranks(coordinator.layout, [local.factors for local in locals_]) if introspects(step) else {}),
+            },
+        )
         evaluates = is_eval_step(step, config.eval_every, config.steps) or step + 1 == last_step  # the model released
         if budget is not None and evaluates:  # the last step is an eval step (is_eval_step)
-            record["dp_epsilon"] = budget.epsilon(step + 1)
+            record.dp_epsilon = budget.epsilon(step + 1)
         if has_test and evaluates:
-            record.update({f"test_{k}": v for k, v in coordinator.evaluate().items()})
-        metrics.write(record)
-        records.append(record)
+            record.evaluation.update({f"test_{k}": v for k, v in coordinator.evaluate().items()})
+        row = record.to_json()
+        metrics.write(row)
+        records.append(row)
         if progress:
             progress(step)
     summary = run_summary(records, spec.display, workload.metric_name)

@@ -17,6 +17,7 @@ from .edad import EDAD
 from .layout import CapturedLayer, Layout
 from .local_steps import DiLoCo, FedAvg
 from .powersgd import PowerSGD
+from .probe import probe_layout
 from .rankdad import RankDAD
 from .step import Traffic, apply_update, exchange, reference_update, step_update, weights_fingerprint
 from .capture import local_step
@@ -47,6 +48,7 @@ __all__ = [
     "LocalResult",
     "Layout",
     "CapturedLayer",
+    "probe_layout",
     "Traffic",
     "exchange",
     "local_step",

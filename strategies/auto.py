@@ -20,9 +20,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import Factors, Strategy, check_raw_input, may_share
+from .base import Strategy, check_raw_input, may_share
 from .dad import FactorServer, FactorSite, dense_nbytes, factor_units
 from .layout import CapturedLayer, Layout
+from .payload import Factors
 
 
 @dataclass(frozen=True)

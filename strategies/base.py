@@ -1,4 +1,4 @@
-"""Typed containers shared by every strategy: payloads, the step protocol, dense parts.
+"""The strategy protocol: the two halves, the ``Strategy`` base class, dense parts.
 
 A strategy has two halves. The **site half** turns one local forward/backward into the
 payload of phase 0, and turns each server message into the next phase's payload or,
@@ -11,100 +11,25 @@ Scaling convention: a site backpropagates the **sum** of its per-sample losses, 
 every uploaded gradient or factor is in "sum" units; the server divides by
 N = Σ n_s. The update is therefore the gradient of the mean loss over the union of
 all sites' batches (site weight n_s / N), whatever the batch sizes.
+
+The containers that travel (``Payload``, ``LocalResult``, ``Factors``, tensor keys and
+roles) are in ``payload.py``. Imports in ``strategies/`` go one way: ``payload`` and
+``layout`` need nothing here, ``capture`` needs them, ``checks`` needs ``capture``, this
+module needs ``checks``, and ``probe`` and every strategy need this module.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, ClassVar, Iterable, Protocol, Sequence
 
 import torch
 from torch import nn
 
+from .checks import check_uploads, contribution_norms, layerwise_terms
 from .layout import CapturedLayer, Layout
-
-ROLE_SEPARATOR = ":"
-BUFFER_ROLE = "buffer"
-GRAD_ROLE = "grad"
-IDS_ROLE = "ids"  # an embedding's looked-up ids (int32, or int64 for a table beyond 2³¹ rows)
-ROWS_ROLE = "rows"  # the Δ rows of those lookups
-
-
-def tensor_key(name: str, role: str) -> str:
-    """Payload key of one tensor: ``"<parameter or layer name>:<role>"``."""
-    return f"{name}{ROLE_SEPARATOR}{role}"
-
-
-def split_key(key: str) -> tuple[str, str]:
-    name, _, role = key.rpartition(ROLE_SEPARATOR)
-    return name, role
-
-
-@dataclass
-class Payload:
-    """What one party sends in one phase of one step.
-
-    ``tensors`` maps ``"<name>:<role>"`` to a tensor (roles: ``grad``, ``A``, ``D``,
-    ``P``, ``Q``, ``buffer`` ...). ``num_samples`` is n_s on the way up and N on the way
-    down. Sizes are exact: what the tensors occupy, nothing estimated.
-    """
-
-    step: int
-    phase: int
-    num_samples: int
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
-
-    def nbytes_by_layer(self) -> dict[str, int]:
-        sizes: dict[str, int] = {}
-        for key, tensor in self.tensors.items():
-            name, _ = split_key(key)
-            sizes[name] = sizes.get(name, 0) + tensor.numel() * tensor.element_size()
-        return sizes
-
-    def to(self, device: torch.device | str) -> "Payload":
-        return Payload(
-            self.step, self.phase, self.num_samples, {k: v.to(device) for k, v in self.tensors.items()}
-        )
-
-
-@dataclass
-class LocalResult:
-    """One site's forward/backward: summed-loss gradients, captured factors, buffers."""
-
-    num_samples: int
-    loss_sum: float
-    grads: dict[str, torch.Tensor]
-    factors: dict[str, "Factors"]
-    buffers: dict[str, torch.Tensor]
-
-
-@dataclass
-class Factors:
-    """One captured layer's rows: ``A`` (G, n, k) inputs and ``D`` (G, n, m) output deltas of
-    its linear/conv calls, and ``ids`` (n',) with ``rows`` (n', k) of its lookups.
-
-    G is the number of groups (1 for Linear); the weight gradient of group g is
-    ``D[g].T @ A[g]`` (m × k), reshaped to the weight's shape, plus ``rows`` added at the
-    table rows ``ids`` (``weight_from_lookups``). Either part may be None.
-    """
-
-    A: torch.Tensor | None = None
-    D: torch.Tensor | None = None
-    ids: torch.Tensor | None = None
-    rows: torch.Tensor | None = None
-
-    def tensors(self, key: str) -> dict[str, torch.Tensor]:
-        """The payload entries of these factors under layer name ``key``."""
-        parts = {"A": self.A, "D": self.D, IDS_ROLE: self.ids, ROWS_ROLE: self.rows}
-        return {tensor_key(key, role): t for role, t in parts.items() if t is not None}
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.A, self.D, self.ids, self.rows) if t is not None)
-
+from .payload import BUFFER_ROLE, GRAD_ROLE, IDS_ROLE, ROWS_ROLE, LocalResult, Payload, split_key, tensor_key
 
 StateDict = dict[str, torch.Tensor]
 
@@ -278,8 +203,6 @@ class Strategy:
     ) -> list:
         """The uploads of one phase that break this strategy's rules, as
         ``checks.PayloadRejection`` (index into ``payloads``, reason)."""
-        from .checks import check_uploads  # checks.py builds on this module
-
         return check_uploads(self.upload_units(layout, facts, phase, step, model), payloads, self.name, phase)
 
     def terms(
@@ -288,8 +211,6 @@ class Strategy:
         """What one checked upload adds, as ``gram`` terms in mean units: (the update's, the
         floating buffers'). Norms and the inner products between sites (``gram.gram``) are
         computed from them without forming ΔᵀA."""
-        from .checks import layerwise_terms
-
         return layerwise_terms(layout, payload)
 
     def contribution(
@@ -297,8 +218,6 @@ class Strategy:
     ) -> dict[str, float]:
         """Norms (mean units, float64) of what one checked upload adds to the update, by
         kind ("update", "buffers"); the server bounds each against the other sites'."""
-        from .checks import contribution_norms
-
         return contribution_norms(*self.terms(layout, payload, messages_so_far, model))
 
     # Roles whose tensors carry an upload's gradient linearly: Δ (A is the same for any

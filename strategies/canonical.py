@@ -68,7 +68,7 @@ def canonical_step(optimizer: torch.optim.Optimizer, grads: dict[torch.Tensor, t
 def _chunks(*tensors: torch.Tensor):
     """Matching slices of ``CHUNK_ELEMENTS`` of the tensors' flat views (the whole tensors when
     one is not contiguous): float64 temporaries the size of a chunk stay in cache, where whole
-    parameters' would be fresh allocations each (docs/runtime.md has the step's cost)."""
+    parameters' would be fresh allocations each (docs/benchmarks-runtime.md has the step's cost)."""
     if not all(t.is_contiguous() for t in tensors):
         yield tensors
         return

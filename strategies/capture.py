@@ -14,7 +14,7 @@ its rows, as in ``nn.MultiheadAttention``'s packed projection, whose functional 
 run with the mode active), wherever the call happens. Δ comes from a tensor hook on the
 call's own output, so a forward hook that replaces a module's output, in-place ops and
 reuse are all seen correctly. Which captures are trustworthy is decided once, by the
-probe in ``layout.py``; a step whose calls do not match the layout sends that layer dense.
+probe in ``probe.py``; a step whose calls do not match the layout sends that layer dense.
 A call reads the model's **raw input** when its input is that input or anything computed
 from it by other functions than a captured call (normalising, scaling, casting, selecting
 columns): only a captured call's learned mixing ends the raw input. Raw input taken out of
@@ -44,8 +44,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .base import Factors, LocalResult
 from .layout import CapturedLayer, Layout
+from .payload import Factors, LocalResult
 from .precision import autocast, autocast_dtype, scaled_backward
 
 log = logging.getLogger("dadfl.capture")

@@ -42,9 +42,9 @@ from torch import nn
 from dadfl.sanitize import printable
 
 from . import gram
-from .base import BUFFER_ROLE, GRAD_ROLE, IDS_ROLE, ROWS_ROLE, Payload, split_key, tensor_key
 from .capture import LOOKUP, id_dtype
 from .layout import CapturedLayer, Layout
+from .payload import BUFFER_ROLE, GRAD_ROLE, IDS_ROLE, ROWS_ROLE, Payload, split_key, tensor_key
 
 ROWS = "rows"
 RANK = "rank"

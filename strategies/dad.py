@@ -31,7 +31,6 @@ import torch
 
 from .base import (
     LayerwiseServer,
-    Factors,
     GRAD_ROLE,
     IDS_ROLE,
     ROWS_ROLE,
@@ -47,6 +46,7 @@ from .base import (
     check_raw_input,
     layer_gradient,
 )
+from .payload import Factors
 from .checks import Unit
 from .layout import CapturedLayer, Layout
 

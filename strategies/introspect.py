@@ -22,10 +22,9 @@ rank moves, and which rank a layer needs.
 Cost per layer and group: two thin QRs, (m + k)·n·min(m, k, n) flops, and the SVD of the
 core, min(m, n)·min(k, n)²; a layer with min(n, m, k) > ``max_size`` (``MAX_SIZE``, 512)
 is skipped, so the cost stays bounded whatever the batch (convolutions have batch ×
-positions rows, but small m and k). Measured on the demo's digits MLP (4 sites of 32 rows,
-3 layers, one thread, a loaded 2-core machine): 24.6 ms per step for every site's and the
-sum's ranks, against 26.3 ms for the 4 sites' forward/backward passes, which is why the
-simulation reads them every ``rank_every`` = 5 steps by default.
+positions rows, but small m and k). On a small model one reading costs about what the
+sites' forward/backward passes cost (``docs/strategies.md``), which is why the simulation
+reads them every ``rank_every`` = 5 steps by default.
 """
 
 from __future__ import annotations
@@ -34,8 +33,9 @@ from typing import Mapping, Sequence
 
 import torch
 
-from .base import Factors, group_rows, weight_from_factors, weight_from_lookups
+from .base import group_rows, weight_from_factors, weight_from_lookups
 from .layout import Layout
+from .payload import Factors
 
 FRACTIONS = (0.90, 0.99)
 MAX_SIZE = 512

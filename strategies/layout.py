@@ -3,7 +3,7 @@
 A *captured layer* is a weight whose every gradient-carrying use is a linear, conv or
 embedding call (``capture.py`` follows the calls, wherever they happen): its gradient is
 Σ Δᵀ A over the rows of every linear/conv call plus onehot(ids)ᵀ Δ over every lookup.
-A probe step (``probe.py``) checks each one against autograd; a weight that does not
+A probe step (``probe.probe_layout``) checks each one against autograd; a weight that does not
 match (used outside those calls, mixed dtypes outside autocast), and every other trainable parameter —
 norm layers, raw ``nn.Parameter``s — is *uncovered* and travels dense, as do floating
 buffers.
@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
-from torch import nn
 
 
 @dataclass(frozen=True)
@@ -98,24 +96,4 @@ class Layout:
             + tuple(f"buffer {name}" for name in self.buffers)
             + tuple(f"captured layer {layer!r}" for layer in self.layers)
         )
-
-    @classmethod
-    def from_model(
-        cls, model: nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tensor], precision: str = "fp32"
-    ) -> "Layout":
-        """Find and verify the captured layers with one probe step on ``example_inputs``, its
-        forward at ``precision`` (``precision.py``: the dtype each layer's factors travel in).
-
-        Every replica runs the same probe on the same example, so every replica finds the
-        same layout (and fingerprint). The probe runs in eval mode (no running-statistics
-        update, no dropout) and leaves the parameters' ``.grad`` untouched.
-        """
-        from .probe import probe_layers  # the probe captures calls, which needs this module
-
-        trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-        layers, reasons = probe_layers(model, example_inputs, precision)
-        params = tuple(name for name, _ in trainable)
-        shapes = tuple(tuple(p.shape) for _, p in trainable)
-        buffers = tuple(name for name, _ in model.named_buffers())
-        return cls(tuple(layers), params, shapes, buffers, tuple(reasons.items()))
 

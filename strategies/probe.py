@@ -28,9 +28,10 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .base import Factors, layer_gradient
+from .base import layer_gradient
 from .capture import LOOKUP, Call, CallRecorder, as_args, call_forms, layer_factors
-from .layout import CapturedLayer
+from .layout import CapturedLayer, Layout
+from .payload import Factors
 from .precision import autocast, tolerance
 
 log = logging.getLogger("dadfl.capture")
@@ -100,6 +101,24 @@ def probe_layers(
     for name, why in reasons.items():
         log.info("parameter %r travels dense: %s", name, why)
     return layers, reasons
+
+
+def probe_layout(
+    model: nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tensor], precision: str = "fp32"
+) -> Layout:
+    """Find and verify the captured layers with one probe step on ``example_inputs``, its
+    forward at ``precision`` (``precision.py``: the dtype each layer's factors travel in).
+
+    Every replica runs the same probe on the same example, so every replica finds the
+    same layout (and fingerprint). The probe runs in eval mode (no running-statistics
+    update, no dropout) and leaves the parameters' ``.grad`` untouched.
+    """
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    layers, reasons = probe_layers(model, example_inputs, precision)
+    params = tuple(name for name, _ in trainable)
+    shapes = tuple(tuple(p.shape) for _, p in trainable)
+    buffers = tuple(name for name, _ in model.named_buffers())
+    return Layout(tuple(layers), params, shapes, buffers, tuple(reasons.items()))
 
 
 def _tensors(value) -> list[torch.Tensor]:

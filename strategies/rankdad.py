@@ -21,56 +21,35 @@ mean of the sites' approximations. The memory update needs M_s dense (m × k per
 local to the site), so the site forms it once, from autograd's gradient (the layout's probe
 checked that it equals Δ_sᵀ A_s), and runs the passes on it: 4·m·k·r' flops per pass,
 where applying M_s v = Δ_sᵀ(A_s v)/n_s + e_s v takes 2·(n·(k + m) + m·k)·r' and the
-residual then needs Δ_sᵀ A_s all the same. The server forms X once the same way. Measured
-on the wide MLP (``python -m bench.bench_compute``, r=2, one thread): the site half 4.3 →
-2.0 ms per step (PowerSGD's: 2.5 ms), the server's 3.6 → 2.3 ms, biases folded in. Without error feedback
-nothing is dense and the passes never form Δ_sᵀ A_s. With ``reduce_on_server=False`` the
-server concatenates the factors instead (rank ≤ S·r down, nothing dropped, no server
-memory).
+residual then needs Δ_sᵀ A_s all the same. The server forms X once the same way. Without
+error feedback nothing is dense and the passes never form Δ_sᵀ A_s. With
+``reduce_on_server=False`` the server concatenates the factors instead (rank ≤ S·r down,
+nothing dropped, no server memory).
 
 **Why this residual rule.** PowerSGD's memory is "local M minus the *global* update"
 (``powersgd.py``). That works there because every site projects on the same shared
 P̂ and Q, so compression is linear across sites and Σ_s e_s is exactly what the global
 rank-r step left out. rank-dAD compresses each site separately (no shared projection,
 one round trip): the global update is not the projection of any site's M, so that
-memory accumulates each site's deviation from the others and grows without bound
-(in an experiment with the benchmark's protocol its norm grew to 12.3 against 0.2–0.4
-for the local rule, and accuracy collapsed). Each site therefore keeps what *its own* factors missed, and
-the server, whose re-reduction is a second lossy compression, keeps what *it* dropped;
-without the server memory the re-reduction loses that information for good and
-training stalls below dSGD's accuracy. The dropped part could instead go back to the
-sites (the update is Û Ûᵀ X exactly, so each site can add (I − Û Ûᵀ) P̃_s Q_sᵀ to its own
-memory from the downlink, and no server memory is needed); measured, it trains worse
-(4 sites, IID, r=1, final accuracy: char GRU, seeds 0–1, 40.1% against 42.2%; digits
-MLP, seeds 0–3, 94.5% against 96.7%), so the server keeps it.
+memory would accumulate each site's deviation from the others and grow without bound.
+Each site therefore keeps what *its own* factors missed, and the server, whose
+re-reduction is a second lossy compression, keeps what *it* dropped; without the server
+memory the re-reduction loses that information for good. (The dropped part could go back
+to the sites instead — the update is Û Ûᵀ X exactly, so each site can add
+(I − Û Ûᵀ) P̃_s Q_sᵀ to its own memory — but that trains worse, so the server keeps it.)
 
 **Where it loses: many sites with small batches.** Each site compresses its own batch's
 gradient, and a small batch's top-r subspace can lie far from that of the sites' mean,
-on which PowerSGD projects (its second round trip buys that). Measured on the
-benchmark's 3.5M-parameter transformer (r=2, Adam 0.003, IID, 128 samples per step,
-seeds 0 and 1; steps to 29.8% next-character accuracy, evaluated every 10): as 4 sites
-of 32, rank-dAD 190 and 240, PowerSGD 160 and 170; as 1 site of 128, 170 and 140 for
-both. On seed 0 with 4 sites, neither the passes (``iterations`` 1 or 4: 180, 190), nor
-``shared_warm_start=False`` (190), nor concatenating instead of re-reducing
-(``reduce_on_server=False``, nothing dropped at the server: 180) closes the gap. Seeds 2
-and 3 (4 sites; the four seeds' target, 29.4%): rank-dAD reaches it on neither within 300
-steps, PowerSGD on seed 2 at 220.
+on which PowerSGD projects (its second round trip buys that). No option here closes
+that gap; fewer, larger site batches do.
 
 **Shared warm start.** The re-reduction drops what the sites' rank-r subspaces disagree
 on, and the server memory has to carry it. Each site therefore starts its passes from
 the re-reduced Q̂ that came down with the last update (``shared_warm_start``, the
 default; identical at every site, already in the downlink, so no byte more) rather than
-from its own last Q; step 0 starts every site from the same seeded random Q. Measured
-(4 sites, IID, r=1, 2 seeds, mean over steps of ‖E‖/‖X‖, the server memory against the
-mean of the sites' factors): digits MLP 1.18 → 1.13, char GRU 2.36 → 2.07; the GRU's
-final accuracy (300 steps) rises from 41.4% to 42.2% at r=1, 45.6% to 46.1% at r=2, and
-stays 48.8% / 48.7% at r=4. Steps to dSGD's target with each site's own Q instead, in
-the full matrix's 4-site groups (digits MLP, CNN, char GRU, char transformer; IID and
-Dirichlet(0.5); r = 1, 2, 4; seeds 0 and 1) and on the wide MLP (seeds 0–3, r = 1, 2),
-over the 21 (group, rank) pairs where either reaches it: later in 9 (by 10–20 steps, or
-never: the CNN at r=2, IID), the same in 10, sooner in 2 (wide MLP: r=2 IID 110 → 100;
-r=1 Dirichlet 175 → 145). A Q̂ of the wrong shape (concatenated factors, ``tol``
-dropping components) or not finite is ignored: the site keeps its own.
+from its own last Q; step 0 starts every site from the same seeded random Q. A Q̂ of the
+wrong shape (concatenated factors, ``tol`` dropping components) or not finite is
+ignored: the site keeps its own.
 
 **Embeddings.** Without error feedback a captured embedding table (tied to a head or not)
 is power-iterated on its lookups by gather/scatter (``power_iteration.Lookups``), never
@@ -94,15 +73,6 @@ like the weight, and the memories carry what rank r left of it; reading a bias o
 factors of the weight alone (P Qᵀ without that column) would be wrong, which is why the
 column is part of the matrix. Without error feedback nothing would carry what rank r
 drops, so the bias travels dense and exact (as with ``bias_in_factors=False``).
-Measured with the benchmark's matrix (4 sites, IID, seeds 0 and 1, evaluated every 10
-steps; ``docs/benchmarks.md`` now runs the wide MLP on seeds 0–15 every 5 steps), bias apart
-→ folded, fewer bytes than dSGD to dSGD's target: digits MLP 39.4× → 53.4× (r=1), wide
-MLP 156.7× → 250.6× (r=1), digits CNN 2.8× (r=4) → 4.7× (r=2). A wide-MLP
-step at r=1 sends 33% fewer bytes (24.9 → 16.7 KB per site). The steps to the target
-move within the seeds' spread: on the wide MLP at r=1 with seeds 0–3, the seed-mean curve
-reaches it after 180 steps folded against 150 (IID) and 160 (Dirichlet(0.5)) apart,
-single seeds anywhere from 110 to 190; its bytes to target still fall, 29.9 → 24.0 MB
-(IID) and 31.9 → 24.0 MB (Dirichlet).
 
 **Integer factors** (``factor_bits`` 8 or 16, error feedback only). Each factor a site
 or the server sends travels as integer codes with one float scale per column
@@ -113,56 +83,35 @@ e_s ← M_s − P̄_s Q̄_sᵀ / n_s with P̄_s, Q̄_s what the codes decode to 
 as sent), and the server's E ← X − P̄ Q̄ᵀ / N, so every replica's update plus the memories
 still adds up to the gradients (``tests/test_integer_factors.py``). A concatenated
 downlink rounds each site's decoded factors again, one scale per column. Not exact at
-any rank: full rank with integer factors leaves the rounding in the memories. Measured
-(``python -m bench.run --preset integer-factors``, 4 sites, IID; floats beside, same
-machine and seeds): wide MLP, 16 seeds, steps to dSGD's target at r=1 145 → 145, at
-r=2 130 → 145 and at r=4 105 → 105; at r=1 16.7 → 4.2 KB up per site and step, and
-fewer bytes than dSGD 195× → 777× (Dirichlet(0.5): 214× → 851×; the best PowerSGD,
-r=1 at 8 bits, 254× and 225×). 3.5M transformer, 4 seeds: r=4 reaches it at 160 steps
-(150 as floats in ``docs/benchmarks.md``, another CPU), 120× against 38×.
+any rank: full rank with integer factors leaves the rounding in the memories.
 
-**Concatenating on a link with latency** (``reduce_on_server=False``). The server sends
-every site's factors down side by side (rank ≤ S·r, S× the downlink bytes) and keeps no
-memory: nothing is dropped at the server, so fewer steps reach dSGD's target, each costing
-more bytes. Measured with the same preset (wide MLP, 4 sites, 16 seeds; IID /
-Dirichlet(0.5)): steps to the target at r=1 115 / 125 against the re-reduced 145 / 145,
-at r=2 130 / 115 against 130 / 125; at 8 bits, r=1 sends 392× / 395× fewer bytes than dSGD
-to the target against the re-reduced 777× / 851×. Re-reduction stays the default (bytes
-to target). Where a step's time is round trips and compute rather than bytes, concatenating
-is sooner, and its steps are shorter too (the server skips the re-reduction): at 20 Mbit/s
-and 40 ms RTT, 8 bits, 4 sites and the coordinator on 2 cores, dSGD's target in 11.7 s IID
-(r=1) / 12.3 s Dirichlet (r=2), against the re-reduced 16.0 s / 15.9 s and the best
-PowerSGD's 21.5 s / 21.5 s (``docs/integer-factors/benchmarks.md``).
+**Concatenating** (``reduce_on_server=False``). The server sends every site's factors
+down side by side (rank ≤ S·r, S× the downlink bytes) and keeps no memory: nothing is
+dropped at the server, so fewer steps reach a target, each costing more bytes, and each
+step is shorter (no re-reduction at the server). Re-reduction is the default (fewer bytes
+to a target); concatenating suits links where a step's time is round trips and compute
+rather than bytes.
+
+**Grouped layers.** A grouped convolution's gradient is G blocks Δ_gᵀ A_g (m × k each),
+and rank-dAD factors each block: G·r'·(k' + m) floats. With ``stack_groups`` (error
+feedback only: the passes run on the dense M, whatever its shape) it compresses the
+G·m × k matrix of the blocks' rows stacked instead, as PowerSGD views the weight:
+r'·(k' + G·m) floats, but rank r then covers the whole matrix rather than each block.
+Neither form wins on every data split, so each block keeps its own factors by default.
 
 Exact when r ≥ the rank of every compressed matrix and factors are floats; at full rank
 (r ≥ min(m, k)) the memories stay at rounding level and every step is exact to fp32.
 ``tol`` > 0 drops components below tol·σ_max (the memories keep them). Components
 beyond min(r, m, k) do not exist: that is the rank sent (r' below).
 
-Defaults: one setting for every workload, measured with the benchmark protocol (the
-``rankdad-ef`` preset's digits MLP, hidden 256, 4 sites, IID, batch 32, SGD 0.1 momentum
-0.9, 150 steps, r=1, ``raw_input="low_rank"``, seeds 0 and 1; final held-out accuracy,
-seed mean; dSGD 96.4%; the passes on the dense M and the biases folded in, see above):
-the defaults 96.2%; ``error_feedback=False`` 64.2%; ``reduce_on_server=False`` 96.1%, but
-S·r·(k' + m) down instead of r·(k' + m), 2.5× the total bytes per step at 4 sites;
-``iterations`` 1: 94.3%, 3: 96.4% (a pass costs local flops, never a round trip);
-``warm_start=False`` 96.0%; ``shared_warm_start=False`` 96.8% (figures above);
-``bias_in_factors=False`` 96.4%, with 1.47× the bytes per step. At r=1 the curves of two
-seeds move by several points from one evaluation to the next, so only the GRU and
-server-memory figures separate the warm-start choices clearly. The bytes-to-target and dominance tables against PowerSGD are in
-``docs/rankdad-ef/benchmarks.md``.
-
-**Grouped layers.** A grouped convolution's gradient is G blocks Δ_gᵀ A_g (m × k each),
-and rank-dAD factors each block: G·r'·(k' + m) floats. With ``stack_groups`` (error
-feedback only: the passes run on the dense M, whatever its shape) it compresses the
-G·m × k matrix of the blocks' rows stacked instead, as PowerSGD views the weight:
-r'·(k' + G·m) floats, 16% fewer on the benchmark's digits CNN, but rank r then covers the
-whole matrix rather than each block. Measured (digits CNN, channels 16, 2 groups; 4 sites,
-seeds 0–7, ranks 1, 2, 4, up to 240 steps; bytes to dSGD's target at 120 steps, best rank,
-seed mean; per group → stacked, PowerSGD): IID 2.18 → 2.08 MB (2.02 MB), budgets where
-the envelope ≥ PowerSGD's 62% → 82%; Dirichlet(0.5) 1.89 → 2.08 MB (1.89 MB), 62% →
-24%: stacked r=1 needs 170 steps where per group needs 130. Neither form wins on both
-splits, so each block keeps its own factors by default.
+How to tune: the defaults are one setting for every workload. ``rank`` trades bytes per
+step against steps to a target (r = 1 to 4 covers the benchmarks; a larger r for a
+model whose layers are small). ``factor_bits=8`` cuts the factors' bytes to a quarter at
+about the same steps. ``iterations`` costs local flops, never a round trip (2 is enough;
+1 loses accuracy). Keep ``error_feedback`` (without it rank r's losses are never made
+up). ``reduce_on_server=False`` on a latency-bound link (above). ``bias_in_factors=False``
+sends biases dense and exact for more bytes per step. What each default was measured
+against is in ``docs/strategies.md``.
 
 Cost per compressed matrix (floats, at 8 bits a quarter of the factors' bytes plus the
 scales; G groups, k in and m out per group, k' = k + 1 with a folded bias, else k;
@@ -196,7 +145,6 @@ import torch
 from .base import (
     DEFAULT_RAW_INPUT,
     GRAD_ROLE,
-    Factors,
     LocalResult,
     Payload,
     StateDict,
@@ -214,6 +162,7 @@ from .base import (
     tensors_under,
     with_prefix,
 )
+from .payload import Factors
 from .checks import RANK, Form, Spec, Unit, all_finite, layerwise_terms
 from .introspect import energy_ranks, factor_energies
 from .layout import CapturedLayer, Layout

@@ -23,6 +23,7 @@ from .canonical import canonical_step
 from .capture import local_step, per_sample_losses
 from .layout import Layout
 from .precision import autocast, scaled_backward
+from .probe import probe_layout
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -79,7 +80,7 @@ def _accumulate(total: dict[str, int], part: dict[str, int]) -> None:
 
 def layout_for(model: nn.Module, batch: Batch, precision: str = "fp32") -> Layout:
     inputs = batch[0]
-    return Layout.from_model(model, inputs, precision)
+    return probe_layout(model, inputs, precision)
 
 
 def step_update(

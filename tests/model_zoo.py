@@ -195,12 +195,12 @@ def build(kind: str, seed: int = 0) -> nn.Module:
 def exchange_step(strategy, kind: str = "mlp", sizes=(5, 1, 3)):
     """One step of ``strategy`` over sites holding ``kind`` batches of the given sizes:
     (layout, batches, sites, local results, messages, traffic)."""
-    from dadfl.strategies import Layout, local_step
+    from dadfl.strategies import local_step, probe_layout
     from dadfl.strategies.step import exchange
 
     model = build(kind)
     batches = site_batches(kind, sizes=sizes)
-    layout = Layout.from_model(model, batches[0][0])
+    layout = probe_layout(model, batches[0][0])
     locals_ = [local_step(model, layout, per_sample_cross_entropy, x, y) for x, y in batches]
     sites = [strategy.site(layout, model) for _ in batches]
     messages, traffic = exchange(sites, strategy.server(layout, model), locals_, step=0)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from dadfl.strategies import Layout, local_step, make_strategy
+from dadfl.strategies import local_step, make_strategy, probe_layout
 from dadfl.strategies.base import RAW_INPUT_POLICIES
 
 from model_zoo import build, exchange_step, per_sample_cross_entropy, site_batches
@@ -118,7 +118,7 @@ def test_one_raw_input_policy_governs_rank_dad_and_powersgd(kind, raw_input):
     the same matrices dense under the same policy; neither ever sends A or Δ."""
     model = build(kind)
     batches = site_batches(kind, sizes=(6,))
-    layout = Layout.from_model(model, batches[0][0])
+    layout = probe_layout(model, batches[0][0])
     local = local_step(model, layout, per_sample_cross_entropy, *batches[0])
     first = next(layer for layer in layout.layers if layer.raw_input)
     matrices = {name for name, shape in zip(layout.params, layout.shapes) if len(shape) > 1}
@@ -172,7 +172,7 @@ def test_raw_input_stays_raw_through_what_transforms_it(before):
     torch.manual_seed(0)
     model = NormalisedInput(before)
     x, y = site_batches("mlp", sizes=(6,))[0]
-    layout = Layout.from_model(model, x)
+    layout = probe_layout(model, x)
     left_torch = before == "numpy"
     assert {layer.module: layer.raw_input for layer in layout.layers} == {"first": True, "state": left_torch, "second": left_torch}
     local = local_step(model, layout, per_sample_cross_entropy, x, y)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dadfl.strategies.checks import ModelFacts
-from dadfl.strategies import Layout, apply_update, local_step, make_strategy, reference_update, step_update
+from dadfl.strategies import apply_update, local_step, make_strategy, probe_layout, reference_update, step_update
 from dadfl.strategies.precision import tolerance
 
 from model_zoo import build, exchange_step, per_sample_cross_entropy, site_batches
@@ -19,7 +19,7 @@ INT32, FLOAT = 4, 4
 
 def layout_of(kind):
     model = build(kind)
-    return model, Layout.from_model(model, site_batches(kind)[0][0])
+    return model, probe_layout(model, site_batches(kind)[0][0])
 
 
 def test_probe_sends_a_weight_used_outside_its_call_dense_and_says_why(caplog):
@@ -74,7 +74,7 @@ def test_auto_counts_ids_at_their_size():
     model = nn.Sequential(nn.Embedding(50, 4), nn.Flatten(), nn.Linear(8, 3))
     inputs = torch.arange(20).reshape(10, 2) % 50
     targets = torch.arange(10) % 3
-    layout = Layout.from_model(model, inputs)
+    layout = probe_layout(model, inputs)
     strategy = make_strategy("auto", raw_input="activations")
     for rows, expect_factors in ((10, True), (40, False)):  # 20·(4+16)=400 < 800; 80·20=1600 > 800
         x = torch.arange(rows * 2).reshape(rows, 2) % 50
@@ -125,7 +125,7 @@ def test_a_forward_that_autocasts_itself_is_captured_in_its_dtype():
     torch.manual_seed(0)
     model = AutocastMLP()
     batches = site_batches("mlp", sizes=(3, 2))
-    layout = Layout.from_model(model, batches[0][0])
+    layout = probe_layout(model, batches[0][0])
     dtypes = {layer.module: layer.compute_dtype for layer in layout.layers}
     assert dtypes == {"first": torch.bfloat16, "second": torch.float32} and not layout.dense_reasons
     dense = step_update(make_strategy("dsgd"), model, per_sample_cross_entropy, batches)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dadfl.strategies import Layout, apply_update, local_step, make_strategy, reference_update, step_update
+from dadfl.strategies import apply_update, local_step, make_strategy, probe_layout, reference_update, step_update
 from dadfl.strategies.step import exchange
 
 from model_zoo import per_sample_cross_entropy
@@ -26,7 +26,7 @@ def hooked_sequential() -> nn.Sequential:
 
 def test_edad_refuses_a_model_whose_linear_has_a_user_hook():
     model = hooked_sequential()
-    layout = Layout.from_model(model, batches()[0][0])
+    layout = probe_layout(model, batches()[0][0])
     with pytest.raises(ValueError, match=r"edad: module '0' has a forward or backward hook.*use 'dad' or 'auto'"):
         make_strategy("edad").site(layout, model)
     with pytest.raises(ValueError, match="hook"):
@@ -57,13 +57,13 @@ class Checkpointed(nn.Module):
 def test_reentrant_checkpointing_gets_a_dadfl_error_naming_the_fix(first):
     model = Checkpointed(use_reentrant=True, first=first)
     with pytest.raises(ValueError, match=r"use_reentrant=True.*pass use_reentrant=False"):
-        Layout.from_model(model, batches()[0][0])
+        probe_layout(model, batches()[0][0])
 
 
 @pytest.mark.parametrize("name", ["dad", "rankdad"])
 def test_non_reentrant_checkpointing_is_captured_and_exact(name):
     model = Checkpointed(use_reentrant=False)
-    layout = Layout.from_model(model, batches()[0][0])
+    layout = probe_layout(model, batches()[0][0])
     assert {layer.module for layer in layout.layers} == {"first", "middle", "head"}
     reference = reference_update(model, per_sample_cross_entropy, batches())
     options = {"raw_input": "activations"} if name == "dad" else {"rank": 16}
@@ -95,7 +95,7 @@ def test_a_parameter_without_gradient_gets_no_update(name, options):
     travel, while the used ones train."""
     model = Unused()
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
-    layout = Layout.from_model(model, batches()[0][0])
+    layout = probe_layout(model, batches()[0][0])
     strategy = make_strategy(name, **options)
     sites = [strategy.site(layout, model) for _ in range(2)]
     server = strategy.server(layout, model)

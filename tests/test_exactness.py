@@ -7,7 +7,7 @@ weighted mean Σ_s (n_s/N)∇(mean loss of s) computed by plain autograd.
 import pytest
 import torch
 
-from dadfl.strategies import Layout, make_strategy, reference_update, step_update
+from dadfl.strategies import make_strategy, probe_layout, reference_update, step_update
 
 from model_zoo import CAPTURE_CASES, build, per_sample_cross_entropy, site_batches
 
@@ -103,7 +103,7 @@ def test_edad_refuses_a_linear_listed_twice():
 def test_layout_covers_every_parameter():
     """Embedding tied to the head: one layer with both call forms; raw Parameters, norms: dense."""
     model = build("transformer")
-    layout = Layout.from_model(model, site_batches("transformer")[0][0])
+    layout = probe_layout(model, site_batches("transformer")[0][0])
     forms = {layer.module: layer.forms for layer in layout.layers}
     assert forms == {"embed": ("embedding", "linear"), "qkv": ("linear",), "proj": ("linear",), "up": ("linear",), "down": ("linear",)}
     assert {"position", "norm1.weight", "norm2.bias"} <= set(layout.uncovered)
@@ -116,7 +116,7 @@ def test_module_reuse_keeps_rows_of_every_call():
 
     model = build("gru")
     inputs, targets = site_batches("gru", sizes=(3,))[0]
-    layout = Layout.from_model(model, inputs)
+    layout = probe_layout(model, inputs)
     local = local_step(model, layout, per_sample_cross_entropy, inputs, targets)
     # 3 sequences × 5 time steps = 15 rows per reused cell
     assert local.factors["hidden_gates"].A.shape == (1, 15, 10)

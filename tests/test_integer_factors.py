@@ -7,7 +7,7 @@ import torch
 
 from dadfl.metrics import MetricsWriter, read_metrics
 from dadfl.simulation import SimulationConfig, StrategySpec, simulate
-from dadfl.strategies import Layout, local_step, make_strategy, reference_update
+from dadfl.strategies import local_step, make_strategy, probe_layout, reference_update
 from dadfl.strategies.base import Payload
 from dadfl.strategies.checks import ModelFacts
 from dadfl.strategies.quantize import quantize, unpack
@@ -36,7 +36,7 @@ def run(name, options, steps, bits):
     """``steps`` exchanges on the MLP's fixed weights, a new batch each; returns what the
     replicas decoded summed, the gradients summed, the halves and the last traffic."""
     model = build("mlp")
-    layout = Layout.from_model(model, site_batches("mlp", sizes=SIZES)[0][0])
+    layout = probe_layout(model, site_batches("mlp", sizes=SIZES)[0][0])
     strategy = make_strategy(name, factor_bits=bits, **options)
     sites, server = [strategy.site(layout, model) for _ in SIZES], strategy.server(layout, model)
     updates, gradients = {}, {}
@@ -109,7 +109,7 @@ def test_integer_uploads_are_checked_like_any_other(name, options):
     their scale, and float factors where codes were agreed are refused, each saying which
     tensor; a coordinator's message with codes but no scale fails to decode with its name."""
     model = build("mlp")
-    layout = Layout.from_model(model, site_batches("mlp", sizes=SIZES)[0][0])
+    layout = probe_layout(model, site_batches("mlp", sizes=SIZES)[0][0])
     facts = ModelFacts.from_model(model, layout)
     strategy = make_strategy(name, factor_bits=8, **options)
     x, y = site_batches("mlp", sizes=SIZES)[0]

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from dadfl.strategies import Layout, local_step, reference_update
-from dadfl.strategies.base import Factors
+from dadfl.strategies import local_step, probe_layout, reference_update
+from dadfl.strategies.payload import Factors
 from dadfl.strategies.introspect import energy_rank, factor_energies, gradient_ranks
 
 from model_zoo import build, per_sample_cross_entropy, site_batches
@@ -26,7 +26,7 @@ def numerical_rank(energies: torch.Tensor) -> int:
 def test_energies_from_factors_are_the_squared_singular_values_of_autograds_gradient(kind):
     model = build(kind)
     x, y = site_batches(kind, sizes=(6,))[0]
-    layout = Layout.from_model(model, x)
+    layout = probe_layout(model, x)
     local = local_step(model, layout, per_sample_cross_entropy, x, y)
     checked = 0
     for layer in layout.layers:
@@ -78,7 +78,7 @@ def test_lookups_and_a_tied_head_count_together():
 def test_gradient_ranks_per_site_and_of_the_sum():
     model = build("mlp")
     batches = site_batches("mlp", sizes=(5, 1, 3))
-    layout = Layout.from_model(model, batches[0][0])
+    layout = probe_layout(model, batches[0][0])
     locals_ = [local_step(model, layout, per_sample_cross_entropy, x, y) for x, y in batches]
     ranks = gradient_ranks(layout, [local.factors for local in locals_])
     parts = ("site0", "site1", "site2", "sum")

@@ -14,7 +14,7 @@ from dadfl.client.site import INLINE_BYTES
 from dadfl.privacy.accounting import DPConfig
 from dadfl.replica import OptimizerConfig, Replica
 from dadfl.simulation import SimulationConfig, StrategySpec
-from dadfl.strategies import Layout, make_strategy, reference_update
+from dadfl.strategies import Layout, make_strategy, probe_layout, reference_update
 from dadfl.strategies import DSGD, local_step
 from dadfl.strategies.base import tensor_key
 from dadfl.strategies.dsgd import DenseSite
@@ -35,7 +35,7 @@ def round_batches(rounds: int, local_steps: int):
 def run_rounds(strategy, model, batches, rounds, halves=None, inner=None):
     """``rounds`` rounds on one shared model (a half puts the weights back after training);
     returns the halves and the messages."""
-    layout = Layout.from_model(model, batches[0][0][0])
+    layout = probe_layout(model, batches[0][0][0])
     halves = halves or [strategy.site(layout, model) for _ in batches]
     server = strategy.server(layout, model)
     outer = strategy.outer_optimizer(model.parameters())
@@ -108,7 +108,7 @@ def test_a_parameter_no_batch_reaches_gets_no_delta():
     model = WithUnused()
     batches = round_batches(1, 2)
     strategy = make_strategy("fedavg", local_steps=2)
-    layout = Layout.from_model(model, batches[0][0][0])
+    layout = probe_layout(model, batches[0][0][0])
     half = strategy.site(layout, model)
     local = half.train_round(model, per_sample_cross_entropy, batches[0][:2], lambda p: torch.optim.SGD(p, lr=0.1, weight_decay=0.1))
     upload = half.begin(local, 0)
@@ -125,7 +125,7 @@ def test_diloco_keeps_its_inner_adamw_moments_and_a_restored_half_continues_bit_
     assert all(any(key.endswith("/exp_avg") for key in state) for state in states)
 
     copy_model, fresh_model = copy.deepcopy(model), copy.deepcopy(model)
-    layout = Layout.from_model(copy_model, batches[0][0][0])
+    layout = probe_layout(copy_model, batches[0][0][0])
     restored = [strategy.site(layout, copy_model) for _ in SIZES]
     for half, state in zip(restored, states):
         half.load_state_dict(state)
@@ -151,7 +151,7 @@ def test_diloco_keeps_its_inner_adamw_moments_and_a_restored_half_continues_bit_
 
 def run_rounds_from(strategy, model, batches, halves):
     """Rounds 2 and 3 of ``batches`` (whose first four entries are not read)."""
-    layout = Layout.from_model(model, batches[0][4][0])
+    layout = probe_layout(model, batches[0][4][0])
     halves = halves or [strategy.site(layout, model) for _ in batches]
     server, outer = strategy.server(layout, model), strategy.outer_optimizer(model.parameters())
     messages = []

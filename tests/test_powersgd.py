@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dadfl.server.processes import free_port
-from dadfl.strategies import Layout, apply_update, local_step, make_strategy, reference_update, step_update
+from dadfl.strategies import apply_update, local_step, make_strategy, probe_layout, reference_update, step_update
 from dadfl.strategies.powersgd import PowerSGD, orthogonalize, plan
 from dadfl.strategies.step import exchange
 
@@ -143,7 +143,7 @@ def replay(run, strategy):
     """Our two in-process sites on the hook run's model, batches and SGD steps."""
     model = hook_model()
     batches = run["batches"]
-    layout = Layout.from_model(model, batches[0][0][0])
+    layout = probe_layout(model, batches[0][0][0])
     sites = [strategy.site(layout, model) for _ in range(2)]
     server = strategy.server(layout, model)
     optimizer = torch.optim.SGD(model.parameters(), lr=run["lr"])
@@ -169,7 +169,7 @@ def test_matches_pytorch_powersgd_hook(hook_results, index):
         torch.equal(hook[t][k], results[1][index][t][k]) for t in range(len(hook)) for k in hook[t]
     ), "the hook leaves every rank with the same gradients"
     strategy = PowerSGD(**run["options"])
-    compressed = {m.name for m in plan(Layout.from_model(hook_model(), run["batches"][0][0][0]), strategy.rank, 2).matrices}
+    compressed = {m.name for m in plan(probe_layout(hook_model(), run["batches"][0][0][0]), strategy.rank, 2).matrices}
     assert compressed and len(compressed) < 4 + (index == 0), "some weights are compressed, biases never"
     worst = {}
     for step, messages, update, reference in replay(run, strategy):
@@ -200,7 +200,7 @@ def test_full_rank_without_error_feedback_is_exact(kind):
     reference = reference_update(model, per_sample_cross_entropy, batches)
     strategy = make_strategy("powersgd", rank=64, start_iter=0, use_error_feedback=False, min_compression_rate=0)
     update = step_update(strategy, model, per_sample_cross_entropy, batches)
-    layout = Layout.from_model(model, batches[0][0])
+    layout = probe_layout(model, batches[0][0])
     assert {m.name for m in plan(layout, 64, 0).matrices} == {n for n in layout.params if n.endswith("weight")}
     errors = {name: rel(update[name], ref) for name, ref in reference.items()}
     assert max(errors.values()) <= 1e-5, errors
@@ -209,7 +209,7 @@ def test_full_rank_without_error_feedback_is_exact(kind):
 def exchange_once(strategy, kind="mlp", sizes=(5, 1, 3), step=0):
     model = build(kind)
     batches = site_batches(kind, sizes=sizes)
-    layout = Layout.from_model(model, batches[0][0])
+    layout = probe_layout(model, batches[0][0])
     locals_ = [local_step(model, layout, per_sample_cross_entropy, x, y, capture=False) for x, y in batches]
     sites = [strategy.site(layout, model) for _ in sizes]
     messages, traffic = exchange(sites, strategy.server(layout, model), locals_, step)
@@ -265,7 +265,7 @@ def test_warm_start_converges_on_a_fixed_gradient():
     so the rank-1 approximation approaches the best one; a cold start does not."""
     model = build("mlp")
     batches = site_batches("mlp", sizes=(6, 4))
-    layout = Layout.from_model(model, batches[0][0])
+    layout = probe_layout(model, batches[0][0])
     reference = reference_update(model, per_sample_cross_entropy, batches)
     locals_ = [local_step(model, layout, per_sample_cross_entropy, x, y, capture=False) for x, y in batches]
 

@@ -8,7 +8,7 @@ from dadfl.metrics import MetricsWriter
 from dadfl.replica import OptimizerConfig, Replica
 from dadfl.server.config import ServerConfig
 from dadfl.simulation import SimulationConfig, StrategySpec, simulate
-from dadfl.strategies import Layout, local_step, make_strategy, reference_update, step_update
+from dadfl.strategies import local_step, make_strategy, probe_layout, reference_update, step_update
 from dadfl.strategies.checks import ModelFacts
 from dadfl.strategies.precision import FP16_LOSS_SCALE, tolerance
 from dadfl.strategies.step import exchange
@@ -37,7 +37,7 @@ CASES = [(kind, "bf16") for kind in ("mlp", "cnn", "gru", "transformer", "norm")
 def test_updates_within_the_dtypes_tolerance_of_autograd(kind, precision):
     model = build(kind)
     batches = site_batches(kind, sizes=(5, 2, 3) if kind == "norm" else (5, 1, 3))
-    layout = Layout.from_model(model, batches[0][0], precision)
+    layout = probe_layout(model, batches[0][0], precision)
     assert not layout.dense_reasons, layout.dense_reasons
     assert {layer.compute_dtype for layer in layout.layers if layer.forms != ("embedding",)} == {DTYPES[precision]}
     reference = reference_update(model, per_sample_cross_entropy, batches, precision)
@@ -51,7 +51,7 @@ def test_updates_within_the_dtypes_tolerance_of_autograd(kind, precision):
 def test_no_builtin_layer_travels_dense_for_its_dtype(workload):
     loaded = load_workload(workload)
     model, example = loaded.build_model(), loaded.example()
-    full, mixed = Layout.from_model(model, example), Layout.from_model(model, example, "bf16")
+    full, mixed = probe_layout(model, example), probe_layout(model, example, "bf16")
     assert [layer.module for layer in mixed.layers] == [layer.module for layer in full.layers]
     assert not mixed.dense_reasons, mixed.dense_reasons
     assert all(layer.compute_dtype == torch.bfloat16 for layer in mixed.layers if layer.forms != ("embedding",))
@@ -63,7 +63,7 @@ def test_factors_travel_in_half_the_bytes_and_the_checks_take_them():
     strategy = make_strategy("dad", raw_input="activations")
     sent = {}
     for precision in ("fp32", "bf16"):
-        layout = Layout.from_model(model, batches[0][0], precision)
+        layout = probe_layout(model, batches[0][0], precision)
         locals_ = [local_step(model, layout, per_sample_cross_entropy, x, y, precision=precision) for x, y in batches]
         sites = [strategy.site(layout, model) for _ in batches]
         _, traffic = exchange(sites, strategy.server(layout, model), locals_, step=0)
@@ -95,7 +95,7 @@ def test_fp16_loss_scale_backs_off_until_the_deltas_fit():
 
 def test_fp16_overflow_at_every_scale_is_refused_clearly():
     model = build("mlp")
-    layout = Layout.from_model(model, site_batches("mlp")[0][0], "fp16")
+    layout = probe_layout(model, site_batches("mlp")[0][0], "fp16")
     huge = lambda outputs, targets: 1e30 * per_sample_cross_entropy(outputs, targets)  # noqa: E731
     x, y = site_batches("mlp")[0]
     with pytest.raises(FloatingPointError, match="precision='bf16' or 'fp32'"):
@@ -107,7 +107,7 @@ def test_a_step_off_the_layouts_dtype_sends_that_layer_dense():
     layers travel dense with the reason."""
     model = build("mlp")
     x, y = site_batches("mlp")[0]
-    layout = Layout.from_model(model, x)
+    layout = probe_layout(model, x)
     local = local_step(model, layout, per_sample_cross_entropy, x, y, precision="bf16")
     assert local.factors == {}
     assert set(local.grads) == set(layout.params)

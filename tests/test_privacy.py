@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from dadfl.strategies import Layout, make_strategy
+from dadfl.strategies import Layout, make_strategy, probe_layout
 from dadfl.strategies.capture import per_sample_losses
 from dadfl.strategies.sample_clipping import ClipPlan, clipped_local_step, refuse_sample_mixing
 from dadfl.strategies.step import exchange
@@ -63,7 +63,7 @@ FROM_CALLS = {
 def test_clipped_sum_equals_a_per_sample_autograd_loop(kind):
     model = build(kind)
     x, y = site_batches(kind, sizes=(7,))[0]
-    layout = Layout.from_model(model, x)
+    layout = probe_layout(model, x)
     plan = ClipPlan.verify(model, layout, x)
     assert set(plan.from_factors) == FROM_FACTORS[kind]
     assert set(plan.from_calls) == FROM_CALLS[kind]
@@ -94,7 +94,7 @@ def test_every_strategy_carries_the_clipped_sum(kind, strategy):
     chosen = make_strategy(name, **options)
     model = build(kind)
     batches = site_batches(kind, sizes=(5, 1, 3))
-    layout = Layout.from_model(model, batches[0][0])
+    layout = probe_layout(model, batches[0][0])
     plan = ClipPlan.verify(model, layout, batches[0][0])
     locals_, expected, total = [], {}, 0
     for x, y in batches:
@@ -118,7 +118,7 @@ def test_norms_equal_opacus(workload_name):
     train = workload.training_data()
     x, y = train.inputs[:6], train.targets[:6]
     model = workload.build_model()
-    layout = Layout.from_model(model, workload.example())
+    layout = probe_layout(model, workload.example())
     plan = ClipPlan.verify(model, layout, workload.example())
     _, norms = clipped_local_step(model, layout, plan, workload.loss, x, y, MAX_GRAD_NORM)
     wrapped = opacus.GradSampleModule(model, loss_reduction="sum")
@@ -133,7 +133,7 @@ def test_batchnorm_is_refused_naming_the_module_and_the_replacement():
         refuse_sample_mixing(model)
     x = site_batches("norm", sizes=(4,))[0][0]
     with pytest.raises(ValueError, match="'bn'"):
-        ClipPlan.verify(model, Layout.from_model(model, x), x)
+        ClipPlan.verify(model, probe_layout(model, x), x)
 
 
 def test_a_buffer_learnt_from_the_batch_is_refused():
@@ -151,7 +151,7 @@ def test_a_buffer_learnt_from_the_batch_is_refused():
     model = RunningMean()
     x = site_batches("mlp", sizes=(4,))[0][0]
     with pytest.raises(ValueError, match="buffer 'mean' changes in a training forward"):
-        ClipPlan.verify(model, Layout.from_model(model, x), x)
+        ClipPlan.verify(model, probe_layout(model, x), x)
     assert torch.equal(model.mean, torch.zeros(12))  # the check leaves the model as it was
 
 
@@ -169,7 +169,7 @@ def test_a_layer_whose_rows_lead_with_time_gets_autograd_norms():
 
     torch.manual_seed(0)
     model, x, y = TimeMajor(), torch.randn(3, 3, 4), torch.tensor([0, 2, 1])  # T == B: the leading dim looks right
-    layout = Layout.from_model(model, x)
+    layout = probe_layout(model, x)
     plan = ClipPlan.verify(model, layout, x)
     assert plan.from_factors == ("head",) and dict(plan.reasons)["cell"].startswith("its factor norms differ")
     result, _ = clipped_local_step(model, layout, plan, per_sample_cross_entropy, x, y, MAX_GRAD_NORM)
@@ -216,7 +216,7 @@ class ScaledPositions(nn.Module):
 def test_parameters_read_otherwise_or_time_major_get_autograd_norms():
     torch.manual_seed(0)
     model, x, y = ScaledPositions(), torch.randint(0, 6, (4, 4)), torch.tensor([0, 2, 1, 1])
-    layout = Layout.from_model(model, x)
+    layout = probe_layout(model, x)
     plan = ClipPlan.verify(model, layout, x)
     assert set(plan.from_calls) == {"position", "norm.weight", "norm.bias", "shared.bias", "gain"}
     reasons = dict(plan.reasons)

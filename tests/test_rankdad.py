@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dadfl.strategies import Layout, apply_update, local_step, make_strategy, reference_update, step_update
+from dadfl.strategies import apply_update, local_step, make_strategy, probe_layout, reference_update, step_update
 from dadfl.strategies.introspect import energy_rank
 from dadfl.strategies.rankdad import RankDAD
 from dadfl.strategies.step import exchange
@@ -74,7 +74,7 @@ def test_bias_apart_is_exact_at_any_rank_and_folded_travels_in_the_factors(rank)
             update = step_update(strategy, model, per_sample_cross_entropy, batches)
             assert weights_error(update, reference) > 1e-2, "the weights are approximated at this rank"
             _, messages, _ = run_exchange(strategy, kind="cnn")
-            layout = Layout.from_model(model, batches[0][0])
+            layout = probe_layout(model, batches[0][0])
             layers = [layer for layer in layout.layers if layer.bias]
             assert len(layers) == 3
             for layer in layers:
@@ -144,7 +144,7 @@ def test_tol_sends_only_the_components_a_site_has():
     strategy = make_strategy("rankdad", rank=8, raw_input="low_rank", tol=1e-4, reduce_on_server=False)
     model = build("mlp")
     batches = site_batches("mlp", sizes=SIZES)
-    layout = Layout.from_model(model, batches[0][0])
+    layout = probe_layout(model, batches[0][0])
     for n, (x, y) in zip(SIZES, batches):
         local = local_step(model, layout, per_sample_cross_entropy, x, y)
         payload = strategy.site(layout, model).begin(local, 0)
@@ -179,7 +179,7 @@ def train(strategy, kind="mlp", steps=4, sizes=SIZES):
     """Persistent halves over several steps with SGD; yields (reference, update, sites)."""
     model = build(kind)
     batches = site_batches(kind, sizes=sizes)
-    layout = Layout.from_model(model, batches[0][0])
+    layout = probe_layout(model, batches[0][0])
     sites = [strategy.site(layout, model) for _ in sizes]
     server = strategy.server(layout, model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -215,7 +215,7 @@ def test_warm_start_is_used_at_low_rank():
 def test_describe_reports_the_energy_ranks_of_the_update():
     model = build("mlp")
     batches = site_batches("mlp", sizes=(2, 1, 1))
-    layout = Layout.from_model(model, batches[0][0])
+    layout = probe_layout(model, batches[0][0])
     reference = reference_update(model, per_sample_cross_entropy, batches)
     locals_ = [local_step(model, layout, per_sample_cross_entropy, x, y) for x, y in batches]
     strategy = make_strategy("rankdad", rank=8, raw_input="low_rank")

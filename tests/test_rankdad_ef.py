@@ -6,7 +6,7 @@ import torch
 
 from dadfl.simulation import SimulationConfig, StrategySpec, simulate
 from dadfl.metrics import MetricsWriter, read_metrics
-from dadfl.strategies import Layout, apply_update, local_step, make_strategy, reference_update
+from dadfl.strategies import apply_update, local_step, make_strategy, probe_layout, reference_update
 from dadfl.strategies.base import Payload
 from dadfl.strategies.step import exchange
 
@@ -18,7 +18,7 @@ SIZES = (6, 2, 4)
 
 def setup(kind):
     model = build(kind)
-    layout = Layout.from_model(model, site_batches(kind, sizes=SIZES)[0][0])
+    layout = probe_layout(model, site_batches(kind, sizes=SIZES)[0][0])
     return model, layout
 
 

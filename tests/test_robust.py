@@ -164,7 +164,7 @@ def test_a_site_with_no_update_is_not_called_disagreeing_and_off_means_off():
 
 
 def test_factors_that_overflow_together_raise_a_clear_error_not_linalg():
-    from dadfl.strategies.base import Factors
+    from dadfl.strategies.payload import Factors
     from dadfl.strategies.introspect import energy_rank, factor_energies
     from dadfl.strategies.power_iteration import power_iteration
 

@@ -37,7 +37,7 @@ from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.protos import coordinator_pb2_grpc as cpb_grpc
 from dadfl.protos.channel import PROTOCOL_VERSION, channel_options
 from dadfl.server.enrol import enroll, write_tokens
-from dadfl.strategies import Layout
+from dadfl.strategies import probe_layout
 from dadfl.workloads import load_workload
 from network_helpers import ServerThread, SiteThread, free_port, server_config, site_config, write_toml
 
@@ -55,7 +55,7 @@ def run_config(**fields) -> cpb.RunConfig:
     )
     workload = load_workload("digits-mlp", hidden=16)
     model, example = workload.build_model(), workload.example()
-    layout = Layout.from_model(model, example)
+    layout = probe_layout(model, example)
     sent = dict(layout_fingerprint=layout.fingerprint(), layout_line_hashes=line_hashes(layout.lines()), model_probe=model_probe(model, example))
     return cpb.RunConfig(**{**base, **sent, **fields})
 

@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from dadfl.server.quarantine import Quarantine
-from dadfl.strategies import Payload, local_step, make_strategy
+from dadfl.strategies import Payload, local_step, make_strategy, probe_layout
 from dadfl.strategies.checks import ModelFacts, all_finite, factor_sq_norm, influence_outliers, low_rank_sq_norm, medians_of_the_others
-from dadfl.strategies.layout import Layout
 from dadfl.workloads import load_workload
 
 STRATEGIES = {  # label: (name, options)
@@ -47,7 +46,7 @@ def federation(spec: str, name: str, sizes=(16, 11, 7)):
     workload = workload_named(spec)
     strategy = make_strategy(STRATEGIES[name][0], **STRATEGIES[name][1])
     model = workload.build_model()
-    layout = Layout.from_model(model, workload.train.inputs[:2])
+    layout = probe_layout(model, workload.train.inputs[:2])
     facts = ModelFacts.from_model(model, layout)
     locals_, start = [], 0
     for size in sizes:
@@ -78,7 +77,7 @@ def test_honest_uploads_pass_and_exact_contributions_equal_the_gradient_norm(spe
 def test_rows_per_sample_follow_the_layer():
     workload = workload_named("digits-cnn")
     model = workload.build_model()
-    layout = Layout.from_model(model, workload.train.inputs[:2])
+    layout = probe_layout(model, workload.train.inputs[:2])
     rows = ModelFacts.from_model(model, layout).rows_per_sample
     assert max(rows.values()) > 1 and min(rows.values()) == 1  # conv positions, then the linear head
 

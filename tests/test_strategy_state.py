@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from dadfl.strategies import Layout, apply_update, local_step, make_strategy
+from dadfl.strategies import apply_update, local_step, make_strategy, probe_layout
 
 from model_zoo import build, per_sample_cross_entropy, site_batches
 
@@ -72,7 +72,7 @@ def same(a, b) -> bool:
 def test_fresh_half_with_loaded_state_continues_identically(name, options):
     strategy = make_strategy(name, **options)
     model = build("mlp")
-    layout = Layout.from_model(model, site_batches("mlp", sizes=SIZES)[0][0])
+    layout = probe_layout(model, site_batches("mlp", sizes=SIZES)[0][0])
     sites = [strategy.site(layout, model) for _ in SIZES]
     server = strategy.server(layout, model)
     run_steps(strategy, model, layout, sites, server, range(3))
@@ -106,7 +106,7 @@ def test_fresh_half_with_loaded_state_continues_identically(name, options):
 
 def test_state_of_another_configuration_is_refused():
     model = build("mlp")
-    layout = Layout.from_model(model, site_batches("mlp", sizes=SIZES)[0][0])
+    layout = probe_layout(model, site_batches("mlp", sizes=SIZES)[0][0])
     stateless = make_strategy("dad").site(layout, model)
     with pytest.raises(ValueError, match="keeps no state"):
         stateless.load_state_dict({"errors/x": torch.zeros(1)})
