@@ -53,6 +53,11 @@ def done_event(done: cpb.StepDone) -> Done:
     return Done(done.step, done.attempt, done.fingerprint, done.eval if done.HasField("eval") else None)
 
 
+class SiteEndedCall(Exception):
+    """The site ended its call before the stream's status went out (gRPC's handler then
+    finishes the aborted call without a traceback)."""
+
+
 class SiteStreams:
     """The stream part of :class:`~dadfl.server.coordinator.Coordinator`, which holds the
     state these methods use (config, links, the replica and its encoded state)."""
@@ -60,7 +65,7 @@ class SiteStreams:
     async def Join(self, request_iterator, context):
         try:
             await self._join(context)
-        except asyncio.CancelledError:  # the site cancelled its call, or the server is stopping: nothing to report
+        except (asyncio.CancelledError, SiteEndedCall):  # nothing left to tell the site: gRPC ends the call
             log.info("a site stream was cancelled: the site ended its call or the server is stopping")
 
     async def _join(self, context) -> None:
@@ -114,7 +119,12 @@ class SiteStreams:
                 await SiteStreams._until_site_ends(context, deadline)
         except (Exception, asyncio.CancelledError):  # the site left, sent garbage or did not read: the status ends it
             pass
-        await context.abort(code, reason)
+        try:
+            await context.abort(code, reason)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # gRPC's ExecuteBatchError: the site ended its call before the status went out
+            raise SiteEndedCall from exc
 
     @staticmethod
     async def _until_site_ends(context, deadline: float) -> None:
