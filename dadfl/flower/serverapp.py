@@ -39,6 +39,7 @@ from flwr.serverapp import Grid, ServerApp
 from dadfl.metrics import MetricsWriter, is_eval_step, run_summary, write_summary
 from dadfl.model_identity import identity_text
 from dadfl.protos.state import state_payload
+from dadfl.records import StepRecord
 from dadfl.replica import Replica, resolve_device
 from dadfl.sanitize import one_line
 from dadfl.simulation import Progress, SimulationConfig, StrategySpec, run_directory
@@ -129,27 +130,28 @@ class FlowerCoordinator:
             mismatched = [str(node) for node, fp in result.fingerprints.items() if fp != self.fingerprint]
             if mismatched:
                 log.warning("step %d: nodes %s ended with other weights; they resync next step", step, ", ".join(mismatched))
-            record = {
-                "strategy": self.spec.display,
-                "step": step,
-                "sites": len(self.nodes),
-                "samples": result.samples,
-                "train_loss": result.loss_sum / result.samples,
-                "bytes_up": result.bytes_up,
-                "bytes_down": result.bytes_down,
-                "seconds": elapsed,
-                "fingerprint": self.fingerprint,
-                "phase_seconds": result.phase_seconds,
-                "site_ids": [str(node) for node in self.nodes],
-                "attempt": attempt - 1,
-                "fingerprint_mismatches": mismatched,
-                **self.screening.weights_record(step, [str(node) for node in self.nodes]),
-                **self.strategy.describe(self.replica.layout, result.messages),
-            }
+            site_ids = [str(node) for node in self.nodes]
+            record = StepRecord(
+                strategy=self.spec.display,
+                step=step,
+                sites=len(self.nodes),
+                samples=result.samples,
+                train_loss=result.loss_sum / result.samples,
+                bytes_up=result.bytes_up,
+                bytes_down=result.bytes_down,
+                seconds=elapsed,
+                fingerprint=self.fingerprint,
+                phase_seconds=result.phase_seconds,
+                site_ids=site_ids,
+                attempt=attempt - 1,
+                fingerprint_mismatches=mismatched,
+                diagnostics={**self.screening.weights_record(step, site_ids), **self.strategy.describe(self.replica.layout, result.messages)},
+            )
             if is_eval_step(step, self.config.eval_every, self.config.steps):
-                record.update({f"test_{k}": v for k, v in self.replica.evaluate().items()})
-            self.metrics.write(record)
-            records.append(record)
+                record.evaluation.update({f"test_{k}": v for k, v in self.replica.evaluate().items()})
+            row = record.to_json()
+            self.metrics.write(row)
+            records.append(row)
             if self.progress:
                 self.progress(step)
         return run_summary(records, self.spec.display, self.replica.workload.metric_name)
