@@ -103,6 +103,7 @@ BUILTIN = {
     "breast-cancer-mlp": "dadfl.workloads.breast_cancer:mlp",
     "char-gru": "dadfl.workloads.text:gru",
     "char-transformer": "dadfl.workloads.text:transformer",
+    "char-transformer-100m": "dadfl.workloads.text:transformer_100m",
 }
 
 
