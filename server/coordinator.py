@@ -101,7 +101,7 @@ from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.protos import coordinator_pb2_grpc as cpb_grpc
 from dadfl.protos import tensor_pb2 as pb
 from dadfl.protos.channel import PROTOCOL_VERSION
-from dadfl.protos.codec import PayloadAssembler, WireError, codec_id, encode_payload
+from dadfl.protos.codec import PayloadAssembler, WireError, codec_id, encode_chunks, encode_payload
 from dadfl.protos.repair import block_hashes, repair_payload
 from dadfl.protos.state import state_payload
 from dadfl.sanitize import REASON_CHARS, one_line, printable
@@ -547,7 +547,7 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
         and newcomers of one step share it; the step's end drops it."""
         version = (self.step, self.fingerprint)
         if self._state_encoded is None or self._state_encoded[0] != version:
-            chunks = encode_payload(
+            _, chunks = encode_chunks(  # serialised a chunk at a time: the state's bytes are held once
                 state_payload(self.replica, self.step), chunk_bytes=self.config.wire.chunk_bytes, kind=pb.STATE,
                 base_fingerprint=self.fingerprint,
             )
@@ -810,14 +810,15 @@ class Coordinator(cpb_grpc.CoordinatorServicer):
             if phase == 0:
                 samples = sum(u.payload.num_samples for _, u in uploads)
                 loss_sum = sum(u.header.loss_sum for _, u in uploads)
-            chunks = encode_payload(message, self.codec, self.config.wire.chunk_bytes, kind=pb.PHASE, attempt=attempt)
+            header, chunks = encode_chunks(message, self.codec, self.config.wire.chunk_bytes, kind=pb.PHASE, attempt=attempt)
             messages.append(sent)  # what every site decodes
-            # Serialised once for every site. Every phase's message says that the next step
-            # follows by itself: only the site's half knows which phase is its last.
+            # Serialised once for every site, a chunk at a time (the message's bytes are held
+            # once). Every phase's message says that the next step follows by itself: only the
+            # site's half knows which phase is its last.
             wire = [Encoded.of(cpb.ServerMessage(chunk=chunk, next=going_next if i == 0 else None)) for i, chunk in enumerate(chunks)]
             for link in active:
                 self._send(link, *wire)
-            bytes_down += chunks[0].header.total_bytes * len(active)
+            bytes_down += header.total_bytes * len(active)
             phase_seconds.append(time.perf_counter() - started)
             phase += 1
 
