@@ -6,7 +6,7 @@ coordinator that restarted from an older checkpoint, an aborted attempt, a resta
 process), the site restores the saved state at t. Step 0 is always the fresh half.
 
 States live in memory and, when the site config has a ``state_dir``, in
-``<state_dir>/<site id>/run-<run id>/half-<step>.pt``. Only the states the server may still
+``<state_dir>/<site id>/run-<run id>/half-<step>.pt``, with only the newest in memory too. Only the states the server may still
 ask for are kept: the one at the server's checkpoint step, and the two around the step under
 way (the step a site began by itself still needs the state at its start for an abort of the
 step before). They are derived from the site's gradients: keep ``state_dir`` as private as
@@ -82,6 +82,10 @@ class HalfStates:
         return {0} | set(self.memory) | self.on_disk
 
     def save(self, step: int, state: State) -> None:
+        if self.folder is not None:
+            # The older states stay on disk only: in memory each would keep its own copy of
+            # a model-sized state (rank-dAD's error memory) that the half has replaced since.
+            self.memory.clear()
         self.memory[step] = state
         if self.folder is None:
             return
