@@ -102,6 +102,7 @@ def test_a_state_file_that_does_not_fit_the_replica_is_refused_untouched():
 
 def test_the_100m_setting_has_about_100m_parameters():
     workload = load_workload("char-transformer-100m")
+    assert workload.name == "char-transformer-100m" and workload.options["d_model"] == 768
     with torch.device("meta"):  # no memory, no initialisation
         model = workload.build_model()
     count = sum(p.numel() for p in model.parameters())

@@ -7,12 +7,13 @@ simulated sites (IID, label skew, quantity skew) and ``site_batches`` serves one
 site's minibatch of any step (``batches.py``).
 """
 
-from .base import BUILTIN, Split, Workload, load_workload
+from .base import BUILTIN, LARGE, Split, Workload, load_workload
 from .batches import SplitDataset, StepBatches, batch_positions, site_batches
 from .partition import partition
 
 __all__ = [
     "BUILTIN",
+    "LARGE",
     "Split",
     "SplitDataset",
     "StepBatches",
