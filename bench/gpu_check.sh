@@ -8,7 +8,9 @@
 #    strategy (bench/bench_kernels.py --cuda-site --check): no full-state resend, repairs under
 #    1% of the bytes, and the final metric beside the same run with both sites on the CPU;
 # 3. bf16 autocast on the GPU, every built-in workload (bench/bench_precision.py --check): no layer
-#    dense for its dtype, dAD's and auto's updates within bf16's tolerance of autograd's.
+#    dense for its dtype, dAD's and auto's updates within bf16's tolerance of autograd's;
+# 4. the ~100M-parameter setting on the GPU, two site processes (bench/bench_large.py): step
+#    time, first step over a steady one, and bytes per step of rank-dAD against dSGD.
 # Prints one line per part and a summary; exits 0 when every part passed, 1 when one failed,
 # 3 when torch sees no CUDA device (nothing is checked then).
 set -uo pipefail
@@ -39,6 +41,8 @@ part "CUDA site beside a CPU site and a CPU coordinator, every strategy, $STEPS 
     "$PYTHON" -m bench.bench_kernels --cuda-site --check --sites 2 --steps "$STEPS"
 part "bf16 autocast on the GPU, every built-in workload" 60 \
     "$PYTHON" bench/bench_precision.py --precision bf16 --device cuda --check
+part "the 100M setting on the GPU, dSGD and rank-dAD, 4 steps" 120 \
+    "$PYTHON" -m bench.bench_large --device cuda --steps 4 --out /tmp/gpu_check_large.json
 
 echo "== summary"
 printf '%s\n' "${results[@]}"

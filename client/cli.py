@@ -9,6 +9,7 @@ import typer
 
 from dadfl.config import ConfigError, load_config
 from dadfl.failures import fail, keep_secret, set_debug, unexpected
+from dadfl.memory import return_freed_memory
 
 from .config import SiteConfig
 from dadfl.data_files import DataMismatch
@@ -23,6 +24,7 @@ def site(
     debug: bool = typer.Option(False, "--debug", help="print the traceback of a failure (never local variables)"),
 ) -> None:
     """Join a coordinator and train on this site's data until the run finishes."""
+    return_freed_memory()  # model-sized buffers go back to the system when freed (dadfl/memory.py)
     set_debug(debug)
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:

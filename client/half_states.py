@@ -6,16 +6,16 @@ coordinator that restarted from an older checkpoint, an aborted attempt, a resta
 process), the site restores the saved state at t. Step 0 is always the fresh half.
 
 States live in memory and, when the site config has a ``state_dir``, in
-``<state_dir>/<site id>/run-<run id>/half-<step>.pt``. Only the states the server may still
+``<state_dir>/<site id>/run-<run id>/half-<step>.pt``, with only the newest in memory too. Only the states the server may still
 ask for are kept: the one at the server's checkpoint step, and the two around the step under
 way (the step a site began by itself still needs the state at its start for an abort of the
 step before). They are derived from the site's gradients: keep ``state_dir`` as private as
 the data.
 
 A state is saved every step, so its file must cost little beside the step's compute. It is
-written as the wire codec lays out a payload (a ``PayloadHeader`` naming each
-tensor's key, dtype and shape, then the raw bytes; read back through the codec's own
-checks), followed by the XXH3-128 digest of all of it, and written into a state file that
+written as a state file (``protos/state_file.py``: a ``PayloadHeader`` naming each
+tensor's key, dtype and shape, then the raw bytes a chunk at a time, then the XXH3-128
+digest of all of it; read back through the codec's own checks), and written into a state file that
 is no longer needed (renamed to ``spare-*`` when it was dropped) instead of a new one: its
 pages are already allocated, so a 4 MB state costs about 0.2 ms instead of torch.save's 2 ms
 into a fresh file (CRC, page allocation, and the unlink of the old one). A save writes the
@@ -31,15 +31,11 @@ import logging
 import os
 import re
 import shutil
-import struct
 from pathlib import Path
 
-import numpy as np
 import torch
-import xxhash
 
-from dadfl.protos import tensor_pb2 as pb
-from dadfl.protos.codec import check_header, decode_tensors, encode_header
+from dadfl.protos.state_file import fill, verify, write_state
 from dadfl.sanitize import one_line
 from dadfl.strategies import Payload
 
@@ -50,9 +46,7 @@ log = logging.getLogger("dadfl.site")
 STATE_FILE = re.compile(r"^half-(\d{1,12})\.pt$")
 SPARE_PREFIX = "spare-"
 RUN_FOLDER = "run-"
-MAGIC = b"dadflhs1"  # this format, version 1
-HEADER_LENGTH = struct.Struct("<I")
-DIGEST_BYTES = 16
+MAGIC = b"dadflhs2"  # a half state, version 2: the state file layout
 
 State = dict[str, torch.Tensor]
 
@@ -88,6 +82,10 @@ class HalfStates:
         return {0} | set(self.memory) | self.on_disk
 
     def save(self, step: int, state: State) -> None:
+        if self.folder is not None:
+            # The older states stay on disk only: in memory each would keep its own copy of
+            # a model-sized state (rank-dAD's error memory) that the half has replaced since.
+            self.memory.clear()
         self.memory[step] = state
         if self.folder is None:
             return
@@ -95,12 +93,6 @@ class HalfStates:
             self._path(step).touch()
             self.on_disk.add(step)
             return
-        header, arrays = encode_header(Payload(step, 0, 0, state))
-        parts = [MAGIC, HEADER_LENGTH.pack(header.ByteSize()), header.SerializeToString(), *arrays]
-        digest = xxhash.xxh3_128()
-        for part in parts:
-            digest.update(part)
-        parts.append(digest.digest())
         path = self._path(step)
         tmp = path.with_name(path.name + ".tmp")
         if self.spares:
@@ -110,10 +102,7 @@ class HalfStates:
                 pass
         descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT, 0o600)  # no O_TRUNC: keep the spare's pages
         with os.fdopen(descriptor, "wb", buffering=0) as file:
-            for part in parts:
-                view = memoryview(part).cast("B")
-                while view:
-                    view = view[file.write(view):]
+            write_state(file, Payload(step, 0, 0, state), magic=MAGIC)
             file.truncate()
         os.replace(tmp, path)
         self.on_disk.add(step)
@@ -125,29 +114,21 @@ class HalfStates:
         if self.folder is None or step not in self.on_disk:
             return None
         try:
-            return {key: tensor.to(self.device, copy=True) for key, tensor in self._read(step).items()}
+            return self._read(step)
         except Exception as exc:  # a torn or foreign file: the same as a lost one
             log.warning("strategy state file %s is unreadable (%s)", self._path(step).name, one_line(str(exc), 120))
             return None
 
     def _read(self, step: int) -> State:
-        with self._path(step).open("rb") as file:  # into writable memory: the tensors are views of it
-            data = bytearray(os.fstat(file.fileno()).st_size)
-            file.readinto(data)
-        if not data:
-            return {}
-        body = len(data) - DIGEST_BYTES
-        if data[: len(MAGIC)] != MAGIC or body < len(MAGIC) + HEADER_LENGTH.size:
-            raise ValueError("not a strategy state file")
-        if xxhash.xxh3_128_digest(memoryview(data)[:body]) != data[body:]:
-            raise ValueError("its digest does not match its contents")
-        start = len(MAGIC) + HEADER_LENGTH.size
-        (length,) = HEADER_LENGTH.unpack_from(data, len(MAGIC))
-        header = pb.PayloadHeader.FromString(data[start : start + length])
-        check_header(header)
-        if header.step != step or start + length + header.total_bytes != body:
-            raise ValueError(f"it holds step {header.step}'s state in {body} bytes")
-        return decode_tensors(header, np.frombuffer(data, dtype=np.uint8, count=header.total_bytes, offset=start + length))
+        with self._path(step).open("rb") as file:
+            if not os.fstat(file.fileno()).st_size:
+                return {}
+            _, header = verify(file, MAGIC)
+            if header.step != step:
+                raise ValueError(f"it holds step {header.step}'s state")
+            state: State = {}
+            fill(file, lambda key, shape, dtype: state.setdefault(key, torch.empty(shape, dtype=dtype, device=self.device)), MAGIC)
+        return state
 
     def forget(self, step: int) -> None:
         self.memory.pop(step, None)

@@ -322,6 +322,9 @@ class Session:
         run.half_step = None  # from here until the update is applied the half holds part of a step
         payload = run.replica.half.begin(local, begin.step)
         self.upload(payload, loss_sum=local.loss_sum)
+        # The upload is encoded: the model's gradients (model-sized) need not wait for the
+        # message with it; a half that uses them later holds its own reference.
+        run.replica.model.zero_grad(set_to_none=True)
 
     def upload(self, payload: Payload, loss_sum: float = 0.0) -> None:
         run = self.site.run

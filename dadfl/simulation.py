@@ -124,6 +124,8 @@ class SimulationConfig(StrictModel):
         "docs/robustness.md): each site's update scaled down to this multiple of the others' median norm; 0: off"
     )
     agreement: bool = Field(True, description="bounded influence: weight 0 for a site against the majority (federation.agreement)")
+    phase_timeout_s: float = Field(60.0, gt=0, description="--mode processes: how long the coordinator waits for a site's "
+                                   "payload (federation.phase_timeout_s); raise it for a large model on a busy CPU")
     rank_every: int = Field(5, ge=0, description="read the effective rank of each site's gradient and of their sum off the factors "
                             "every this many steps (strategies/introspect.py; factor strategies; each reading costs about "
                             "what the sites' forward/backward passes cost on the digits MLP); 0: never")

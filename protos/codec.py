@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass, field
-from typing import Collection, Sequence
+from typing import Collection, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -134,13 +134,33 @@ def encode_payload(
     payload: Payload, codec: int = pb.RAW, chunk_bytes: int = DEFAULT_CHUNK_BYTES, kind: int = pb.PHASE, **fields
 ) -> list[pb.PayloadChunk]:
     """The chunks that carry ``payload``: header in the first, data cut at ``chunk_bytes``."""
+    return list(encode_chunks(payload, codec, chunk_bytes, kind, **fields)[1])
+
+
+def encode_chunks(
+    payload: Payload, codec: int = pb.RAW, chunk_bytes: int = DEFAULT_CHUNK_BYTES, kind: int = pb.PHASE, **fields
+) -> tuple[pb.PayloadHeader, Iterator[pb.PayloadChunk]]:
+    """The header and, made one at a time, the chunks of ``encode_payload``: a sender that
+    serialises each chunk as it comes never holds the message's bytes twice."""
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     header, arrays = encode_header(payload, codec, kind, **fields)
-    chunks = [pb.PayloadChunk(offset=start, data=data) for start, data in _cut(arrays, chunk_bytes)]
-    chunks[0].header.CopyFrom(header)
-    chunks[-1].last = True
-    return chunks
+
+    def chunks() -> Iterator[pb.PayloadChunk]:
+        pieces = _cut(arrays, chunk_bytes)
+        offset, data = next(pieces)
+        for following in pieces:
+            chunk = pb.PayloadChunk(offset=offset, data=data)
+            if offset == 0:
+                chunk.header.CopyFrom(header)
+            yield chunk
+            offset, data = following
+        last = pb.PayloadChunk(offset=offset, data=data, last=True)
+        if offset == 0:
+            last.header.CopyFrom(header)
+        yield last
+
+    return header, chunks()
 
 
 def _cut(arrays: list[np.ndarray], chunk_bytes: int):

@@ -8,11 +8,15 @@ The payload's ``step`` is the next step to run.
 
 from __future__ import annotations
 
+from typing import BinaryIO
+
 import torch
 
 from dadfl.replica import Replica
 from dadfl.sanitize import printable
 from dadfl.strategies import Payload
+
+from .state_file import fill, read_head
 
 MODEL_PREFIX = "model/"
 OPTIM_PREFIX = "optim/"
@@ -28,32 +32,86 @@ def state_payload(replica: Replica, next_step: int) -> Payload:
     return Payload(next_step, 0, 0, tensors)
 
 
-def load_state(replica: Replica, payload: Payload) -> None:
-    """Overwrite the replica's weights and optimizer state; a ValueError naming what does not
-    fit (a tensor the model lacks or misses, a shape, optimizer state of a parameter it has not
-    or of another shape) before anything is overwritten."""
-    own = replica.model.state_dict()
-    params = [param for group in replica.optimizer.param_groups for param in group["params"]]
-    model_state, optim_state = {}, {}
-    for key, tensor in payload.tensors.items():
-        if key.startswith(MODEL_PREFIX):
-            name = key[len(MODEL_PREFIX) :]
-            if name not in own or own[name].shape != tensor.shape:
-                raise ValueError(f"state tensor {printable(name)} {tuple(tensor.shape)} does not fit this model")
-            model_state[name] = tensor
-        elif key.startswith(OPTIM_PREFIX):
-            index, _, name = key[len(OPTIM_PREFIX) :].partition("/")
-            if not index.isdecimal() or int(index) >= len(params):
-                raise ValueError(f"optimizer state {printable(key)} names no parameter of this model ({len(params)})")
-            shape = params[int(index)].shape
-            if tensor.dim() > 0 and tensor.shape != shape:  # per-parameter moments have its shape; counters are scalars
-                raise ValueError(f"optimizer state {printable(key)} {tuple(tensor.shape)} does not fit its parameter {tuple(shape)}")
-            optim_state.setdefault(int(index), {})[name] = tensor.clone()
-        else:
-            raise ValueError(f"state payload has an unexpected tensor {printable(key)}")
-    missing = sorted(own.keys() - model_state.keys())
+def _check_entry(replica: Replica, params: list, key: str, shape: tuple[int, ...]) -> tuple[str, int | None, str]:
+    """Where a state tensor goes: ``("model", None, name)`` or ``("optim", index, name)``; a
+    ValueError naming what does not fit this replica (a tensor the model lacks, a shape,
+    optimizer state of a parameter it has not or of another shape)."""
+    if key.startswith(MODEL_PREFIX):
+        name = key[len(MODEL_PREFIX) :]
+        own = replica.model.state_dict()
+        if name not in own or own[name].shape != shape:
+            raise ValueError(f"state tensor {printable(name)} {tuple(shape)} does not fit this model")
+        return "model", None, name
+    if key.startswith(OPTIM_PREFIX):
+        index, _, name = key[len(OPTIM_PREFIX) :].partition("/")
+        if not index.isdecimal() or int(index) >= len(params):
+            raise ValueError(f"optimizer state {printable(key)} names no parameter of this model ({len(params)})")
+        expected = params[int(index)].shape
+        if len(shape) > 0 and shape != expected:  # per-parameter moments have its shape; counters are scalars
+            raise ValueError(f"optimizer state {printable(key)} {tuple(shape)} does not fit its parameter {tuple(expected)}")
+        return "optim", int(index), name
+    raise ValueError(f"state payload has an unexpected tensor {printable(key)}")
+
+
+def _check_complete(replica: Replica, names: set[str]) -> None:
+    missing = sorted(replica.model.state_dict().keys() - names)
     if missing:
         raise ValueError(f"the state lacks {len(missing)} of this model's tensors, {printable(missing[0])} first")
-    replica.model.load_state_dict(model_state, strict=True)
+
+
+def _set_optimizer_state(replica: Replica, optim_state: dict[int, dict[str, torch.Tensor]]) -> None:
+    """Replace the optimizer's state (torch keeps tensors of the parameter's dtype and device as they are)."""
     groups = replica.optimizer.state_dict()["param_groups"]
     replica.optimizer.load_state_dict({"state": optim_state, "param_groups": groups})
+
+
+def load_state(replica: Replica, payload: Payload) -> None:
+    """Overwrite the replica's weights and optimizer state; a ValueError naming what does not
+    fit (``_check_entry``) before anything is overwritten. Optimizer state is copied into the
+    replica's own tensors where it has them (a resync mid-run), so no second copy stays."""
+    params = [param for group in replica.optimizer.param_groups for param in group["params"]]
+    placed = [(_check_entry(replica, params, key, tuple(tensor.shape)), tensor) for key, tensor in payload.tensors.items()]
+    model_state = {name: tensor for (kind, _, name), tensor in placed if kind == "model"}
+    _check_complete(replica, set(model_state))
+    replica.model.load_state_dict(model_state, strict=True)
+    optim_state: dict[int, dict[str, torch.Tensor]] = {}
+    for (kind, index, name), tensor in placed:
+        if kind == "optim":
+            own = replica.optimizer.state[params[index]].get(name)
+            fits = torch.is_tensor(own) and own.shape == tensor.shape and own.dtype == tensor.dtype
+            optim_state.setdefault(index, {})[name] = own.copy_(tensor) if fits else tensor.clone()
+    _set_optimizer_state(replica, optim_state)
+
+
+def fill_state(replica: Replica, file: BinaryIO, magic: bytes, extra_prefix: str) -> dict[str, torch.Tensor]:
+    """Read a verified state file (``state_file.verify``) into the replica, a chunk at a time:
+    weights into the model's own tensors, optimizer state into its own where it has them
+    (else into new ones); checked as ``load_state`` before anything is overwritten. Tensors
+    under ``extra_prefix`` are returned (new tensors on the replica's device), prefix removed."""
+    _, header, _ = read_head(file, magic)
+    file.seek(0)
+    params = [param for group in replica.optimizer.param_groups for param in group["params"]]
+    own = replica.model.state_dict()
+    placed = {meta.key: None if meta.key.startswith(extra_prefix) else _check_entry(replica, params, meta.key, tuple(meta.shape))
+              for meta in header.tensors}
+    _check_complete(replica, {entry[2] for entry in placed.values() if entry and entry[0] == "model"})
+    optim_state: dict[int, dict[str, torch.Tensor]] = {}
+    extra: dict[str, torch.Tensor] = {}
+
+    def target(key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if placed[key] is None:
+            extra[key[len(extra_prefix) :]] = torch.empty(shape, dtype=dtype, device=replica.device)
+            return extra[key[len(extra_prefix) :]]
+        kind, index, name = placed[key]
+        if kind == "model":
+            return own[name]
+        current = replica.optimizer.state[params[index]].get(name)
+        fits = torch.is_tensor(current) and tuple(current.shape) == shape and current.dtype == dtype and current.is_contiguous()
+        device = params[index].device if shape else torch.device("cpu")  # torch keeps scalar counters on the CPU
+        optim_state.setdefault(index, {})[name] = current if fits else torch.empty(shape, dtype=dtype, device=device)
+        return optim_state[index][name]
+
+    with torch.no_grad():
+        fill(file, target, magic)
+    _set_optimizer_state(replica, optim_state)
+    return extra

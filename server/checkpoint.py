@@ -5,10 +5,19 @@ the start of the next step, the next step to run, the run id, and the identity o
 different config is refused instead of silently mixing runs. Files are written to a
 temporary name, flushed to disk and renamed (``os.replace``), so a crash leaves either
 the old or the new checkpoint, never a torn one.
+
+The checkpoint is a state file (``protos/state_file.py``): its tensors are written from
+the replica's own memory and read back into it one chunk at a time, so a checkpoint of a
+100M-parameter model with Adam (1.2 GB) costs no second copy of the state in memory
+(``torch.load`` would hold one). Its keys are the state payload's (``model/``, ``optim/``:
+``protos/state.py``) and ``strategy/<name>``; the next step, run id and identity are its
+JSON meta. The final model stays a ``torch.save`` of the state dict (``torch.save``
+writes a tensor's storage from its memory), for anyone's ``torch.load``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,11 +25,16 @@ from pathlib import Path
 import torch
 
 from dadfl.metrics import read_metrics
+from dadfl.protos.state import fill_state, state_payload
+from dadfl.protos.state_file import verify, write_state
 from dadfl.replica import Replica
+from dadfl.sanitize import one_line
 from dadfl.strategies.checks import all_finite
 
 CHECKPOINT = "checkpoint.pt"
 FINAL_MODEL = "model.pt"
+STRATEGY_PREFIX = "strategy/"
+MAGIC = b"dadflck1"  # a checkpoint, version 1 of the state file layout
 
 
 @dataclass(frozen=True)
@@ -30,10 +44,11 @@ class Resumed:
     strategy_state: dict[str, torch.Tensor] | None  # None: a checkpoint written before states were kept
 
 
-def atomic_save(obj, path: Path) -> None:
+def atomic_write(path: Path, write) -> None:
+    """``write(file)`` into a temporary file, flushed to disk, then renamed to ``path``."""
     tmp = path.with_name(path.name + ".tmp")
     with tmp.open("wb") as file:
-        torch.save(obj, file)
+        write(file)
         file.flush()
         os.fsync(file.fileno())
     os.replace(tmp, path)
@@ -42,19 +57,14 @@ def atomic_save(obj, path: Path) -> None:
 def save_checkpoint(
     run_dir: Path, replica: Replica, next_step: int, run_id: str, identity: dict, strategy_state: dict[str, torch.Tensor]
 ) -> None:
-    state = {
-        "next_step": next_step,
-        "run_id": run_id,
-        "identity": identity,
-        "model": replica.model.state_dict(),
-        "optimizer": replica.optimizer.state_dict(),
-        "strategy_state": strategy_state,
-    }
-    atomic_save(state, run_dir / CHECKPOINT)
+    state = state_payload(replica, next_step)
+    state.tensors.update({STRATEGY_PREFIX + key: tensor.detach() for key, tensor in strategy_state.items()})
+    meta = json.dumps({"next_step": next_step, "run_id": run_id, "identity": identity}).encode()
+    atomic_write(run_dir / CHECKPOINT, lambda file: write_state(file, state, meta, MAGIC))
 
 
 def save_final_model(run_dir: Path, replica: Replica) -> None:
-    atomic_save(replica.model.state_dict(), run_dir / FINAL_MODEL)
+    atomic_write(run_dir / FINAL_MODEL, lambda file: torch.save(replica.model.state_dict(), file))
 
 
 def resume(run_dir: Path, replica: Replica, identity: dict) -> Resumed | None:
@@ -62,21 +72,27 @@ def resume(run_dir: Path, replica: Replica, identity: dict) -> Resumed | None:
     path = run_dir / CHECKPOINT
     if not path.exists():
         return None
-    state = torch.load(path, map_location=replica.device, weights_only=True)
-    if state["identity"] != identity:
-        differing = sorted(k for k in identity if identity[k] != state["identity"].get(k))
-        raise ValueError(
-            f"{path} belongs to a run with a different {', '.join(differing)}; "
-            "use a new run_dir, or restore the config that wrote the checkpoint"
-        )
-    if not all(all_finite(tensor) for tensor in state["model"].values()):  # the coordinator never writes one
+    with path.open("rb") as file:
+        try:
+            meta, _ = verify(file, MAGIC)
+            saved = json.loads(meta)
+        except ValueError as exc:
+            raise ValueError(
+                f"{path} is not a readable checkpoint ({one_line(str(exc), 120)}); use a new run_dir, or restore a good copy of it"
+            ) from None
+        if saved["identity"] != identity:
+            differing = sorted(k for k in identity if identity[k] != saved["identity"].get(k))
+            raise ValueError(
+                f"{path} belongs to a run with a different {', '.join(differing)}; "
+                "use a new run_dir, or restore the config that wrote the checkpoint"
+            )
+        strategy_state = fill_state(replica, file, MAGIC, STRATEGY_PREFIX)
+    if not all(all_finite(tensor) for tensor in replica.model.state_dict().values()):  # the coordinator never writes one
         raise ValueError(
             f"{path} holds non-finite weights, so the run cannot resume from it (no site is at fault); "
             "use a new run_dir, or restore a checkpoint written before the model went non-finite"
         )
-    replica.model.load_state_dict(state["model"])
-    replica.optimizer.load_state_dict(state["optimizer"])
-    return Resumed(state["next_step"], state["run_id"], state.get("strategy_state"))
+    return Resumed(saved["next_step"], saved["run_id"], strategy_state)
 
 
 def trim_metrics(path: Path, next_step: int) -> None:

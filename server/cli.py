@@ -18,6 +18,7 @@ from dadfl.audit import summary_lines as audit_summary
 from dadfl.audit import verify as verify_audit
 from dadfl.config import ConfigError, load_config
 from dadfl.failures import fail, set_debug, unexpected
+from dadfl.memory import return_freed_memory
 from dadfl.workloads import BUILTIN
 
 from .certs import issue_site_certificate, make_dev_certs
@@ -43,6 +44,7 @@ def server(
 
     SIGTERM, Ctrl-C or `dadfl stop` stop it cleanly (the step under way finishes or aborts,
     the committed steps are checkpointed, the sites are told); a second Ctrl-C at once."""
+    return_freed_memory()  # model-sized buffers go back to the system when freed (dadfl/memory.py)
     set_debug(debug)
     setup_logging(verbose)
     try:

@@ -83,7 +83,7 @@ def simulation_configs(config: SimulationConfig, spec: StrategySpec, folder: Pat
                          "precision": config.precision},
             "federation": {
                 "min_sites": config.sites, "initial_sites": config.sites, "linger_s": 0,
-                "clip_ratio": config.clip_ratio, "agreement": config.agreement,
+                "clip_ratio": config.clip_ratio, "agreement": config.agreement, "phase_timeout_s": config.phase_timeout_s,
             },
             **({"dp": {**config.dp.model_dump(exclude_none=True), "max_sample_rate": dp_sample_rate(config)}} if config.dp else {}),
         },

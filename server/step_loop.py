@@ -81,7 +81,7 @@ import grpc
 from dadfl.metrics import MetricsWriter, is_eval_step, read_metrics, run_summary, write_summary
 from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.protos import tensor_pb2 as pb
-from dadfl.protos.codec import encode_payload
+from dadfl.protos.codec import encode_chunks
 from dadfl.records import StepRecord
 from dadfl.sanitize import REASON_CHARS, one_line
 
@@ -347,14 +347,15 @@ class StepLoop:
             if phase == 0:
                 samples = sum(u.payload.num_samples for _, u in uploads)
                 loss_sum = sum(u.header.loss_sum for _, u in uploads)
-            chunks = encode_payload(message, self.codec, self.config.wire.chunk_bytes, kind=pb.PHASE, attempt=attempt)
+            header, chunks = encode_chunks(message, self.codec, self.config.wire.chunk_bytes, kind=pb.PHASE, attempt=attempt)
             messages.append(sent)  # what every site decodes
-            # Serialised once for every site. Every phase's message says that the next step
-            # follows by itself: only the site's half knows which phase is its last.
+            # Serialised once for every site, a chunk at a time (the message's bytes are held
+            # once). Every phase's message says that the next step follows by itself: only the
+            # site's half knows which phase is its last.
             wire = [Encoded.of(cpb.ServerMessage(chunk=chunk, next=going_next if i == 0 else None)) for i, chunk in enumerate(chunks)]
             for link in active:
                 self._send(link, *wire)
-            bytes_down += chunks[0].header.total_bytes * len(active)
+            bytes_down += header.total_bytes * len(active)
             phase_seconds.append(time.perf_counter() - started)
             phase += 1
 

@@ -27,7 +27,7 @@ from google.protobuf.message import DecodeError
 
 from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.protos import tensor_pb2 as pb
-from dadfl.protos.codec import PayloadAssembler, WireError, encode_payload
+from dadfl.protos.codec import PayloadAssembler, WireError, encode_chunks, encode_payload
 from dadfl.protos.repair import block_hashes, repair_payload
 from dadfl.protos.state import state_payload
 from dadfl.sanitize import REASON_CHARS, one_line
@@ -222,7 +222,7 @@ class SiteStreams:
         and newcomers of one step share it; the step's end drops it."""
         version = (self.step, self.fingerprint)
         if self._state_encoded is None or self._state_encoded[0] != version:
-            chunks = encode_payload(
+            _, chunks = encode_chunks(  # serialised a chunk at a time: the state's bytes are held once
                 state_payload(self.replica, self.step), chunk_bytes=self.config.wire.chunk_bytes, kind=pb.STATE,
                 base_fingerprint=self.fingerprint,
             )

@@ -6,7 +6,10 @@ a fused multiply-add computed by another kernel rounds differently, and one diff
 changes the weights fingerprint. Two rules remove almost all of it:
 
 - **Decode in float64.** ``float64_payload`` widens every floating tensor of a message
-  before the strategy decodes it: a product of two float32 numbers is exact in float64, and
+  that a decode computes with (factors, scales) before the strategy decodes it; dense
+  gradients and buffers, which every decode passes through untouched, stay as they came
+  and are widened a chunk at a time by the step (exactly: the same bits), so a dense
+  message of a 100M-parameter model costs no 800 MB float64 copy. A product of two float32 numbers is exact in float64, and
   what another summation order changes (about k·2⁻⁵³ relative for k terms) lies far below
   float32's 2⁻²⁴, so it survives the final rounding only when the exact value lies within
   that distance of a float32 rounding boundary (rarely; the block repair of
@@ -32,21 +35,25 @@ import math
 
 import torch
 
-from .base import Payload
+from .base import BUFFER_ROLE, GRAD_ROLE, Payload, split_key
 
 CHUNK_ELEMENTS = 1 << 14  # 128 KB of float64 per temporary
+PASSED_THROUGH = (GRAD_ROLE, BUFFER_ROLE)  # roles every decode hands to the step as they came
 
 
 def float64_payload(payload: Payload) -> Payload:
-    """``payload`` with every floating tensor widened to float64 (exactly); integers as they are."""
-    tensors = {k: t.to(torch.float64) if t.is_floating_point() else t for k, t in payload.tensors.items()}
+    """``payload`` with every floating tensor a decode computes with widened to float64
+    (exactly); dense gradients, buffers and integers as they are (module docstring)."""
+    tensors = {k: t.to(torch.float64) if t.is_floating_point() and split_key(k)[1] not in PASSED_THROUGH else t
+               for k, t in payload.tensors.items()}
     return Payload(payload.step, payload.phase, payload.num_samples, tensors)
 
 
 def canonical_step(optimizer: torch.optim.Optimizer, grads: dict[torch.Tensor, torch.Tensor]) -> None:
-    """One step of ``optimizer`` with ``grads`` (parameter → its update, float64 keeps the
-    decode's precision; parameters without one are left alone, as torch leaves those whose
-    ``.grad`` is None), computed in float64 and rounded once (module docstring)."""
+    """One step of ``optimizer`` with ``grads`` (parameter → its update: float64 keeps the
+    decode's precision, a dense float32 one is widened a chunk at a time; parameters without
+    one are left alone, as torch leaves those whose ``.grad`` is None), computed in float64
+    and rounded once (module docstring)."""
     groups = optimizer.param_groups
     if type(optimizer) is torch.optim.SGD:
         step = _sgd
@@ -62,7 +69,7 @@ def canonical_step(optimizer: torch.optim.Optimizer, grads: dict[torch.Tensor, t
         for group in groups:
             for param in group["params"]:
                 if param in grads:
-                    step(param, grads[param].to(torch.float64), optimizer.state[param], group)
+                    step(param, grads[param], optimizer.state[param], group)
 
 
 def _chunks(*tensors: torch.Tensor):
@@ -89,7 +96,7 @@ def _sgd(param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> N
         state["momentum_buffer"] = torch.empty_like(param)
     buffer = state["momentum_buffer"] if momentum else param  # param: a stand-in, never read without momentum
     for w32, g, b32 in _chunks(param, grad.reshape(param.shape), buffer):
-        weight = w32.to(torch.float64)
+        weight, g = w32.to(torch.float64), g.to(torch.float64)
         if group["maximize"]:
             g = -g
         if group["weight_decay"]:
@@ -112,7 +119,7 @@ def _adam(param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> 
     beta1, beta2 = group["betas"]
     correction2, step_size = math.sqrt(1 - beta2**step), group["lr"] / (1 - beta1**step)
     for w32, g, m32, v32 in _chunks(param, grad.reshape(param.shape), state["exp_avg"], state["exp_avg_sq"]):
-        weight = w32.to(torch.float64)
+        weight, g = w32.to(torch.float64), g.to(torch.float64)
         if group["maximize"]:
             g = -g
         if group["weight_decay"]:

@@ -46,8 +46,10 @@ from .base import (
     dense_upload,
     group_rows,
     may_share,
+    split_key,
     tensor_key,
 )
+from .canonical import PASSED_THROUGH
 from .checks import Unit, layerwise_terms
 from .dad import FactorServer
 from .layout import CapturedLayer, Layout
@@ -252,7 +254,7 @@ class EDAD(Strategy):
     def decode(self, layout: Layout, messages: Sequence[Payload], model: nn.Module | None = None) -> dict:
         message = messages[-1]
         if self.downlink == "factors":  # the weights in the factors' dtype (float64 at a replica: canonical.py)
-            dtype = next(t.dtype for t in message.tensors.values() if t.is_floating_point())
+            dtype = next(t.dtype for k, t in message.tensors.items() if t.is_floating_point() and split_key(k)[1] not in PASSED_THROUGH)
             params = {name: p.detach().to(dtype) for name, p in model.named_parameters()}
             full = recompute_deltas(feed_forward_chain(model, layout), params, message.tensors)
             message = Payload(message.step, message.phase, message.num_samples, full)

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from dadfl.metrics import read_metrics
+from dadfl.protos.state_file import fill, verify, write_state
+from dadfl.server import checkpoint
 from dadfl.server.coordinator import ModelNotFinite
 from dadfl.trust.screening import model_fault, nonfinite_reason, weights_finite
 from dadfl.strategies import Payload
@@ -87,10 +89,13 @@ def test_a_checkpoint_with_non_finite_weights_is_refused_in_one_line(tmp_path):
     for site in sites:
         site.join(60)
     path = tmp_path / "run" / "checkpoint.pt"
-    state = torch.load(path, weights_only=True)
-    name = next(iter(state["model"]))
-    state["model"][name].view(-1)[0] = math.inf
-    torch.save(state, path)
+    with path.open("rb") as file:  # read as it is stored, one weight set to inf, written back with a valid digest
+        meta, header = verify(file, checkpoint.MAGIC)
+        tensors = {}
+        fill(file, lambda key, shape, dtype: tensors.setdefault(key, torch.empty(shape, dtype=dtype)), checkpoint.MAGIC)
+    next(t for key, t in tensors.items() if key.startswith("model/")).view(-1)[0] = math.inf
+    with path.open("wb") as file:
+        write_state(file, Payload(header.step, 0, 0, tensors), meta, checkpoint.MAGIC)
     again = server_config(tmp_path, training={"steps": 2, "batch_size": 16, "eval_every": 2, "checkpoint_every": 1})
     with pytest.raises(ValueError) as refused:
         ServerThread(again).start()

@@ -12,7 +12,7 @@ from dadfl.strategies import local_step, make_strategy, probe_layout, reference_
 from dadfl.strategies.checks import ModelFacts
 from dadfl.strategies.precision import FP16_LOSS_SCALE, tolerance
 from dadfl.strategies.step import exchange
-from dadfl.workloads import BUILTIN, load_workload
+from dadfl.workloads import BUILTIN, LARGE, load_workload
 
 from model_zoo import build, per_sample_cross_entropy, site_batches
 from test_exactness import relative_errors
@@ -47,7 +47,7 @@ def test_updates_within_the_dtypes_tolerance_of_autograd(kind, precision):
         assert max(errors.values()) <= tolerance(DTYPES[precision]), (name, options, errors)
 
 
-@pytest.mark.parametrize("workload", BUILTIN)
+@pytest.mark.parametrize("workload", [name for name in BUILTIN if name not in LARGE])
 def test_no_builtin_layer_travels_dense_for_its_dtype(workload):
     loaded = load_workload(workload)
     model, example = loaded.build_model(), loaded.example()

@@ -103,7 +103,11 @@ BUILTIN = {
     "breast-cancer-mlp": "dadfl.workloads.breast_cancer:mlp",
     "char-gru": "dadfl.workloads.text:gru",
     "char-transformer": "dadfl.workloads.text:transformer",
+    "char-transformer-100m": "dadfl.workloads.text:transformer_100m",
 }
+# Built-ins too large to build and train in unit tests (a forward of each takes seconds on a
+# CPU): tests count their parameters on the meta device, bench/bench_large.py runs them.
+LARGE = ("char-transformer-100m",)
 
 
 def import_module(module_name: str, search_path: Sequence[Path | str] = ()):
