@@ -34,6 +34,7 @@ from . import tensor_pb2 as pb
 from .codec import DTYPES, TORCH_DTYPES, WireError, check_header
 
 MAGIC = b"dadflst1"  # this layout, version 1
+TORCH_ZIP = b"PK\x03\x04"  # how torch.save's files start: the state files before this layout
 LENGTH = struct.Struct("<I")
 DIGEST_BYTES = 16
 CHUNK_BYTES = 1 << 20
@@ -105,7 +106,10 @@ def _read_exactly(file: BinaryIO, nbytes: int, digest) -> bytes:
 def read_head(file: BinaryIO, magic: bytes = MAGIC) -> tuple[bytes, pb.PayloadHeader, "xxhash.xxh3_128"]:
     """Meta and checked header from the start of ``file``, and the digest of what was read."""
     digest = xxhash.xxh3_128()
-    if _read_exactly(file, len(magic), digest) != magic:
+    start = _read_exactly(file, len(magic), digest)
+    if start.startswith(TORCH_ZIP):
+        raise ValueError("it was written by an earlier dadfl with torch.save; finish that run with the version that started it")
+    if start != magic:
         raise ValueError("it is not a state file of this format")
     parts = []
     for _ in range(2):

@@ -85,6 +85,10 @@ def test_a_torn_or_altered_checkpoint_is_refused_before_anything_is_overwritten(
             checkpoint.resume(tmp_path, target, {"workload": "w"})
         assert "\n" not in str(refused.value), case
         assert state_bits(target) == before, f"{case}: nothing is overwritten"
+    torch.save({"model": source.model.state_dict()}, path)  # how checkpoints were written before this layout
+    with pytest.raises(ValueError, match="written by an earlier dadfl with torch.save"):
+        checkpoint.resume(tmp_path, target, {"workload": "w"})
+    assert state_bits(target) == before
 
 
 def test_a_state_file_that_does_not_fit_the_replica_is_refused_untouched():
