@@ -342,12 +342,15 @@ def weight_from_lookups(ids: torch.Tensor, rows: torch.Tensor, shape: Sequence[i
 def layer_gradient(layer: CapturedLayer, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(weight, bias) gradients, sum units, from one layer's factor entries in ``tensors``
     (keys ``"<layer>:A"``, ``":D"``, ``":ids"``, ``":rows"``); None where nothing is there.
-    Computed in the weight's dtype: factors captured under autocast (bf16, fp16) are widened
-    first, so every replica applies float32 sums of their exact products (``precision.py``)."""
+    Factors narrower than the weight (captured under autocast: bf16, fp16) are widened to its
+    dtype first (``precision.py``); wider ones (float64, as every replica decodes:
+    ``canonical.py``) are never narrowed, so the products are exact in float64."""
     A, D, ids, rows = (
         tensors.get(tensor_key(layer.module, role)) for role in ("A", "D", IDS_ROLE, ROWS_ROLE)
     )
-    A, D, rows = (t.to(layer.weight_dtype) if t is not None and t.dtype != layer.weight_dtype else t for t in (A, D, rows))
+    A, D, rows = (
+        t.to(torch.promote_types(t.dtype, layer.weight_dtype)) if t is not None and t.is_floating_point() else t for t in (A, D, rows)
+    )
     weight = bias = None
     if A is not None and D is not None:
         weight = weight_from_factors(A, D, layer.weight_shape)

@@ -19,6 +19,8 @@ from dadfl.replica import OptimizerConfig, Replica
 from dadfl.server import simulate_processes
 from dadfl.simulation import SimulationConfig, StrategySpec
 from dadfl.strategies import exchange, make_strategy, weights_fingerprint
+from dadfl.strategies.base import layer_gradient
+from dadfl.strategies.payload import tensor_key
 from dadfl.workloads import load_workload
 
 from network_workloads import TAMPER_ENV
@@ -108,3 +110,19 @@ def test_a_replica_on_another_device_applies_steps_to_the_same_bits(name, device
         locals_ = [cpu.local(train.inputs[i : i + 16], train.targets[i : i + 16]) for i in (32 * step, 32 * step + 16)]
         messages, _ = exchange(sites, server, locals_, step)
         assert other.apply(messages) == cpu.apply(messages), f"step {step}"
+
+
+def test_float64_factors_are_multiplied_in_float64():
+    """Every replica decodes in float64 (``canonical.py``): a layer's factors are never narrowed
+    back to the weight's float32 before their product, whose float32 sums differ between
+    kernels; factors narrower than the weight (autocast's) are widened to it."""
+    layer = replica(hidden=32).layout.layers[0]
+    rows = 4096  # long sums: where float32 kernels round differently
+    generator = torch.Generator().manual_seed(0)
+    A = torch.randn(layer.groups, rows, layer.in_per_group, generator=generator).double()
+    D = torch.randn(layer.groups, rows, layer.out_per_group, generator=generator).double()
+    weight, bias = layer_gradient(layer, {tensor_key(layer.module, "A"): A, tensor_key(layer.module, "D"): D})
+    assert weight.dtype == torch.float64 and torch.equal(weight, torch.bmm(D.transpose(1, 2), A).reshape(layer.weight_shape))
+    assert bias.dtype == torch.float64 and torch.equal(bias, D.sum(dim=1).reshape(-1))
+    weight, _ = layer_gradient(layer, {tensor_key(layer.module, "A"): A.bfloat16(), tensor_key(layer.module, "D"): D.bfloat16()})
+    assert weight.dtype == layer.weight_dtype
