@@ -153,7 +153,7 @@ def test_a_second_run_past_the_sites_budget_is_refused_over_grpc(tmp_path):
     limit = epsilon(1.0, own_rate, 12, 1e-5) * 0.999  # less than both runs at the site's rate
     assert epsilon(1.0, 0.025, 6, 1e-5) <= limit, "the second run alone meets the floor"
 
-    second = dp_run(tmp_path, "second", quorum_timeout_s=3)
+    second = dp_run(tmp_path, "second", quorum_timeout_s=10)  # ends the run, after both sites refused it (seconds on a busy machine)
     server = ServerThread(second).start()
     no_ledger = site_config(second.run_dir.parent, "site-b", server.endpoint, 1, 2, privacy={"require_dp": True, "max_epsilon": limit, "max_delta": 1e-5})
     with pytest.raises(RunRefused, match="privacy.max_epsilon bounds this site's records over every run: set state_dir"):

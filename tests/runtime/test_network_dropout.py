@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import grpc
@@ -26,25 +27,40 @@ class Dropped(grpc.RpcError):
         return "connection dropped by the test"
 
 
-def flaky_session(site_id: str, should_drop, stall_s: float = 0.0, pace_s: float = 0.0):
-    """A Session class that breaks ``site_id``'s stream once, when ``should_drop(message)``;
-    with ``pace_s`` every site waits that long at each step's start (``starts_step``), so that the run lasts
-    long enough for a dropped site to come back however fast the machine is."""
-    fired = threading.Event()
+def flaky_session(site_id: str, should_drop, stall_until: threading.Event | None = None, wait_for_rejoin: bool = False):
+    """A Session class that breaks ``site_id``'s stream once, when ``should_drop(message)``, or
+    with ``stall_until`` hangs there until that event (the server timed it out); with
+    ``wait_for_rejoin`` the other sites wait at each step's start (``starts_step``) from the drop
+    until the dropped site is back, so that the run has steps left for it however slow the machine."""
+    fired, back = threading.Event(), threading.Event()
 
     class FlakySession(site_module.Session):
         def handle(self, message):
-            if pace_s and starts_step(message):
-                threading.Event().wait(pace_s)
+            if self.site.config.site_id == site_id and fired.is_set():
+                back.set()  # a message on the dropped site's new connection
+            elif wait_for_rejoin and fired.is_set() and starts_step(message):
+                back.wait(10)  # a hang guard, well below phase_timeout_s
             if self.site.config.site_id == site_id and not fired.is_set() and should_drop(message):
                 fired.set()
-                if stall_s:
-                    threading.Event().wait(stall_s)  # a site that hangs: the server times it out
+                if stall_until is not None:
+                    assert stall_until.wait(60), "the server never timed the stalled site out"
                 else:
                     raise Dropped()
             return super().handle(message)
 
     return FlakySession
+
+
+class LogSeen(logging.Handler):
+    """``seen`` is set once a record containing ``text`` is logged."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.text, self.seen = text, threading.Event()
+
+    def emit(self, record):
+        if self.text in record.getMessage():
+            self.seen.set()
 
 
 def starts_step(message) -> bool:
@@ -85,7 +101,7 @@ def assert_consistent(summaries, records, steps):
 def test_dropout_in_phase_0_completes_the_step_with_the_rest_and_the_site_rejoins(tmp_path, monkeypatch):
     # Only a step_begin separates a site's phase 0 from the step before: later steps begin
     # with the previous step's done (a site lost there aborts that step, tested below).
-    monkeypatch.setattr(site_module, "Session", flaky_session("site-2", at_step_start(0), pace_s=0.1))
+    monkeypatch.setattr(site_module, "Session", flaky_session("site-2", at_step_start(0), wait_for_rejoin=True))
     summaries, records = run_federation(tmp_path, 3, 30, federation={"min_sites": 2})
     assert_consistent(summaries, records, 30)
     by_step = {r["step"]: r for r in records}
@@ -115,8 +131,14 @@ def test_lost_quorum_waits_for_the_site_and_retries_the_step(tmp_path, monkeypat
 
 
 def test_stalled_site_is_timed_out_and_the_step_retried_when_it_is_back(tmp_path, monkeypatch):
-    monkeypatch.setattr(site_module, "Session", flaky_session("site-1", at_step_start(1), stall_s=1.5))
-    summaries, records = run_federation(tmp_path, 2, 4, federation={"min_sites": 2, "phase_timeout_s": 0.5})
+    # site-1 hangs until the server has timed it out; 5 s is what the honest site has for each phase
+    timed_out = LogSeen("closing site site-1: site site-1 sent nothing")
+    logging.getLogger("dadfl.server").addHandler(timed_out)
+    monkeypatch.setattr(site_module, "Session", flaky_session("site-1", at_step_start(1), stall_until=timed_out.seen))
+    try:
+        summaries, records = run_federation(tmp_path, 2, 4, federation={"min_sites": 2, "phase_timeout_s": 5})
+    finally:
+        logging.getLogger("dadfl.server").removeHandler(timed_out)
     assert_consistent(summaries, records, 4)
     assert records[0]["attempt"] == 1 and records[0]["sites"] == 2
     assert summaries[1].connections == 2

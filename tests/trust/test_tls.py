@@ -75,7 +75,8 @@ def test_server_refuses_to_start_without_certificates_unless_insecure(tmp_path):
 def test_a_second_coordinator_cannot_listen_on_a_port_in_use(tmp_path):
     """gRPC shares ports by default (SO_REUSEPORT): two coordinators would split the sites between them."""
     (tmp_path / "first").mkdir()
-    first = ServerThread(server_config(tmp_path / "first", federation={"min_sites": 1, "quorum_timeout_s": 2})).start()
+    # it must still listen while the second starts (seconds on a busy machine), then stop by itself
+    first = ServerThread(server_config(tmp_path / "first", federation={"min_sites": 1, "quorum_timeout_s": 10})).start()
     second = ServerThread(server_config(tmp_path, listen={"address": first.endpoint}))
     with pytest.raises(OSError, match="is the port taken"):
         second.start()
