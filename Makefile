@@ -20,8 +20,10 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(BIN)/dadfl sim
 
+# One worker per core; each test file runs whole on one worker (--dist loadfile), the files
+# holding slow tests handed out first (tests/conftest.py).
 test: setup
-	FLWR_TELEMETRY_ENABLED=0 $(BIN)/pytest -q
+	FLWR_TELEMETRY_ENABLED=0 $(BIN)/pytest -q -n auto --dist loadfile
 
 bench: setup
 	$(BIN)/python -m bench.run
