@@ -42,6 +42,7 @@ def strategies(results):
     return group, group["strategies"]
 
 
+@pytest.mark.slow
 @pytest.mark.network
 def test_every_strategy_of_the_cell_finished_with_sane_curves(suite):
     out, results = suite
@@ -126,6 +127,7 @@ def test_a_setting_whose_last_step_is_off_the_grid_of_those_that_catch_up_is_ref
         replace(setting, catch_up=0)
 
 
+@pytest.mark.slow
 @pytest.mark.network
 def test_a_finished_run_of_other_code_or_settings_is_measured_again_never_analysed(suite, tmp_path):
     """The results folder records what measured each run: a run recorded otherwise (another
@@ -169,6 +171,7 @@ def links_results(labels) -> dict:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.network
 def test_links_and_peers_results_of_other_code_are_refused_not_reported(suite, tmp_path):
     """``links.json`` and ``peers.json`` in a results folder carry the hash of the code that
@@ -419,6 +422,7 @@ def bench_run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "bench.run", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.network
 def test_a_preset_measured_in_two_sittings_reports_as_one(suite, tmp_path):
     """``--carry``: the digits MLP measured by the suite's invocation, the other three settings by

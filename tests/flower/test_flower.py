@@ -47,6 +47,7 @@ def assert_same_training(records, reference):
             assert record[key] == expected[key], (key, record["step"])
 
 
+@pytest.mark.slow
 @pytest.mark.network
 @pytest.mark.filterwarnings("ignore:Tip. In future versions of Ray:FutureWarning")
 @pytest.mark.parametrize(

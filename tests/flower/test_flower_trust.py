@@ -189,6 +189,7 @@ def far_out_node_app() -> ClientApp:
     return app
 
 
+@pytest.mark.slow
 @pytest.mark.network
 @pytest.mark.filterwarnings("ignore:Tip. In future versions of Ray:FutureWarning")
 def test_a_far_out_node_stops_a_real_flower_simulation(tmp_path):

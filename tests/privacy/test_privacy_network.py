@@ -19,6 +19,7 @@ from dadfl.simulation import SimulationConfig, StrategySpec, simulate
 from tests.trust.test_site_trust import demo_site_config, error_lines, fake_coordinator, run_config, run_site_process, site_toml, write_marker_workload  # noqa: F401 (a fixture)
 
 
+@pytest.mark.slow
 @pytest.mark.network
 def test_processes_draw_fresh_poisson_batches_and_account_the_same_epsilon(tmp_path):
     """Site processes draw every upload's Poisson batch from the operating system (a replay is
@@ -151,6 +152,7 @@ def test_the_coordinator_refuses_a_dp_section_it_cannot_honour(dp, strategy, mat
         ServerConfig(dp=dp, strategy={"name": name}, training={"batch_size": int(batch or 32)})
 
 
+@pytest.mark.slow
 @pytest.mark.network
 def test_a_killed_private_coordinator_counts_every_release_and_never_reuses_noise(tmp_path):
     """The coordinator is SIGKILLed mid-run and restarted: the release count on disk covers

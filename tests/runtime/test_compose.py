@@ -88,6 +88,7 @@ def test_images_choose_base_and_torch_build_and_the_port_stays_local():
     assert published and all(port.startswith("127.0.0.1:") for port in published)
 
 
+@pytest.mark.slow
 @pytest.mark.network
 def test_every_compose_service_runs_as_a_process_and_the_federation_trains(tmp_path):
     services, port = COMPOSE["services"], free_port()

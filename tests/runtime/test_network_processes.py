@@ -13,6 +13,7 @@ from dadfl.simulation import SimulationConfig, StrategySpec, simulate
 pytestmark = pytest.mark.network  # every test here starts a coordinator, a site or a process
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "spec",
     [

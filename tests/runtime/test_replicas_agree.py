@@ -31,6 +31,7 @@ def replica(hidden: int = 256) -> Replica:
     return Replica(load_workload("digits-mlp", hidden=hidden), make_strategy("dsgd"), OptimizerConfig(momentum=0.9))
 
 
+@pytest.mark.slow
 @pytest.mark.network
 def test_other_kernels_and_a_tampered_replica(tmp_path):
     spec = StrategySpec(name="dsgd")  # bench/bench_kernels.py runs every strategy

@@ -115,6 +115,7 @@ class Federation:
                 process.wait(10)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
 def test_killed_coordinator_and_killed_site_resume_bit_identically(tmp_path, strategy):
     """One run per strategy: the coordinator is SIGKILLed and restarted from its checkpoint

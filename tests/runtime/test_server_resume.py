@@ -29,6 +29,7 @@ def records(run_dir):
     return list(read_metrics(path)) if path.exists() else []
 
 
+@pytest.mark.slow
 @pytest.mark.network
 def test_killed_server_resumes_from_its_checkpoint_and_sites_follow(tmp_path):
     port, steps = free_port(), 150

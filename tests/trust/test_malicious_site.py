@@ -268,11 +268,13 @@ def attacked_run(tmp_path, monkeypatch, spec: StrategySpec, processes: bool) -> 
     return ledger
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", STRATEGIES, ids=lambda spec: spec.display)
 def test_a_malicious_site_is_dropped_then_quarantined_and_the_run_completes(tmp_path, monkeypatch, spec):
     attacked_run(tmp_path, monkeypatch, spec, processes=False)
 
 
+@pytest.mark.slow
 def test_honest_site_processes_exit_0_beside_a_malicious_site(tmp_path, monkeypatch):
     """rank-dAD with concatenated factors: the strategy where inconsistent ranks once made
     every honest site's decode fail (exit 1)."""

@@ -57,6 +57,7 @@ def run_script(script: str, folder: Path, timeout: float) -> subprocess.Complete
     return subprocess.CompletedProcess(process.args, process.returncode, output)
 
 
+@pytest.mark.slow
 def test_tabular_walkthrough_runs_as_written(tmp_path):
     script = section_commands("1. Three hospitals with CSV files")
     assert script.count("PORT=50051\n") == 1
