@@ -1,8 +1,8 @@
 """Shared by every test folder: the files that hold ``slow`` tests are collected first.
 
-``make test`` runs ``pytest -n auto --dist loadfile``: each file goes whole to one worker, in
-collection order. Handing out the longest files first (longest-processing-time scheduling)
-keeps a long file from starting last while the other workers sit idle.
+``make test`` runs ``pytest -n auto --dist loadfile --no-loadscope-reorder``: each file goes whole
+to one worker, in collection order. Handing out the longest files first (longest-processing-time
+scheduling) keeps a long file from starting last while the other workers sit idle.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """In-process federation on built-in data: replicas identical, metrics and plots written."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -101,7 +102,7 @@ def test_sim_command_rejects_bad_input_with_a_clear_message(tmp_path):
     bad.write_text('workload = "digits-mlp"\nsitez = 3\n')
     result = subprocess.run(
         [sys.executable, "-m", "dadfl.cli", "sim", "--config", str(bad), "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "400"},  # the path, however long, on one line
     )
     assert result.returncode == 2
     assert "sim.toml" in result.stdout and "sitez" in result.stdout and "remove it" in result.stdout

@@ -412,7 +412,8 @@ def test_a_site_crash_prints_no_token_and_no_data_value(tmp_path, debug):
     (tmp_path / "crash_wl.py").write_text(CRASH_WORKLOAD)
     config = server_config(
         tmp_path, workload={"spec": "crash_wl:build", "options": {"hidden": 16}},
-        training={"steps": 50, "eval_every": 50}, federation={"min_sites": 1, "quorum_timeout_s": 30, "phase_timeout_s": 30, "linger_s": 0},
+        # hang guards only: the site is a process, which can take a minute to start on a busy machine
+        training={"steps": 50, "eval_every": 50}, federation={"min_sites": 1, "quorum_timeout_s": 300, "phase_timeout_s": 300, "linger_s": 0},
     )
     sys.path.insert(0, str(tmp_path))  # the coordinator in this process builds the same workload
     try:
@@ -460,7 +461,7 @@ def test_a_site_whose_model_file_differs_from_the_coordinators_leaves_saying_how
         (tmp_path / folder / f"{module}.py").write_text(text)
     config = server_config(
         tmp_path, workload={"spec": f"{module}:build", "path": [str(tmp_path / "server")]},
-        federation={"min_sites": 1, "quorum_timeout_s": 30},
+        federation={"min_sites": 1, "quorum_timeout_s": 300},  # a hang guard: the site process can take a minute to start
     )
     caplog.set_level("INFO")
     server = ServerThread(config).start()

@@ -62,7 +62,7 @@ def test_a_dataset_factory_trains_exactly_like_the_same_samples_from_a_partition
     partition_data = {"source": "partition", "site_index": 1, "num_sites": 2, "batch_seed": 7}
     from_partition, _ = run(tmp_path / "partition", partition_data)
     factory_data = {
-        "source": "dataset", "factory": "test_site_dataset:digits_share",
+        "source": "dataset", "factory": "tests.workloads.test_site_dataset:digits_share",
         "options": {"site_index": 1, "num_sites": 2}, "batch_seed": 7, "num_workers": 1,
     }
     from_factory, summaries = run(tmp_path / "factory", factory_data)
@@ -73,11 +73,11 @@ def test_a_dataset_factory_trains_exactly_like_the_same_samples_from_a_partition
 @pytest.mark.parametrize(
     "factory,options,message",
     [
-        ("test_site_dataset:stream", {}, "not a map-style"),
-        ("test_site_dataset:not_a_dataset", {}, "not a map-style"),
-        ("test_site_dataset:missing", {}, "has no function 'missing'"),
+        ("tests.workloads.test_site_dataset:stream", {}, "not a map-style"),
+        ("tests.workloads.test_site_dataset:not_a_dataset", {}, "not a map-style"),
+        ("tests.workloads.test_site_dataset:missing", {}, "has no function 'missing'"),
         ("no_such_package.data:train", {}, "cannot import module 'no_such_package.data'"),
-        ("test_site_dataset:digits_share", {"site": 1}, "does not accept data.options"),
+        ("tests.workloads.test_site_dataset:digits_share", {"site": 1}, "does not accept data.options"),
     ],
 )
 def test_a_bad_factory_is_one_clear_error(factory, options, message):
