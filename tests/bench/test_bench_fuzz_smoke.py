@@ -12,6 +12,7 @@ pytestmark = pytest.mark.network  # every test here starts a coordinator, a site
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_fuzz_benchmark_reports_its_figures(tmp_path):
     out = tmp_path / "fuzz.json"
     # three cases bound the fuzzing; its time budget and the timeout only guard against a hang

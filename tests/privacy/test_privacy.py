@@ -390,6 +390,7 @@ def test_accountant_is_zero_before_any_step_and_grows():
     assert 0 < epsilon(1.0, 0.1, 10, 1e-5) < epsilon(1.0, 0.1, 100, 1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.network
 def test_sim_command_keeps_the_default_strategies_dp_can_run_and_reports_epsilon(tmp_path):
     import subprocess

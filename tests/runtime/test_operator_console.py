@@ -115,6 +115,7 @@ def test_a_site_that_cannot_reach_its_coordinator_gives_up_within_its_bound(tmp_
     assert output.count("not reachable yet") == 1 and "reconnecting" not in output  # one line while it tries
 
 
+@pytest.mark.slow
 @pytest.mark.network
 def test_status_list_readmit_and_stop_against_a_running_coordinator(tmp_path):
     """The commands as processes against a coordinator process waiting for its sites."""

@@ -40,6 +40,7 @@ def test_training_improves_the_held_out_metric(tmp_path):
     assert summary["metric"] > 0.5, summary  # chance is 0.1 on ten digits
 
 
+@pytest.mark.slow
 @pytest.mark.network
 def test_sim_command_writes_table_metrics_and_plots(tmp_path):
     result = subprocess.run(
@@ -114,6 +115,7 @@ def test_sim_command_rejects_bad_input_with_a_clear_message(tmp_path):
     assert result.returncode == 2 and "use 'dad' or 'auto'" in result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.network
 def test_example_simulation_config_runs(tmp_path):
     """The shipped configs/simulation.toml is valid and trains (two steps here)."""

@@ -148,6 +148,7 @@ def test_a_workload_the_site_does_not_allow_is_refused_before_any_import(tmp_pat
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.network
 def test_an_allowed_module_prefix_runs_the_workload(tmp_path, fake_coordinator):
     """The control of the test above: the same module, allowed by prefix, is imported and built."""
@@ -406,6 +407,7 @@ def data_value_strings(path: Path, count: int = 40) -> set[str]:
     return {f"{v:.4f}" for v in values} | {f"{v:.4e}" for v in values} | {repr(v) for v in values}
 
 
+@pytest.mark.slow
 @pytest.mark.network
 @pytest.mark.parametrize("debug", [False, True], ids=["plain", "--debug"])
 def test_a_site_crash_prints_no_token_and_no_data_value(tmp_path, debug):
@@ -446,6 +448,7 @@ def build(hidden: int = 16):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.network
 @pytest.mark.parametrize("change, message", [
     (("nn.ReLU()", "nn.Tanh()"), r"computes a different function from the coordinator's: .* outputs differ by 0\.[0-9]"),

@@ -57,6 +57,7 @@ def test_forward_gives_one_loss_per_sample_and_a_bounded_metric(workloads, name)
     assert 0.0 <= workload.metric(outputs, targets) <= 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(BUILTIN))
 def test_a_few_dozen_sgd_steps_reduce_the_loss(workloads, name):
     workload = workloads[name]
