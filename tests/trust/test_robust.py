@@ -1,0 +1,186 @@
+"""Bounded influence: inner products of site updates from the factors, exact scaling of an
+upload, and the robust rule (clip to c × the others' median, zero a site against the majority)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dadfl.strategies import make_strategy
+from dadfl.strategies.base import split_key
+from dadfl.strategies.gram import Dense, LowRank, UnpairedForms, gram, inner
+from dadfl.strategies.quantize import unpack
+from dadfl.strategies.robust import robust_weights
+from tests.strategies.test_strategy_checks import WORKLOADS, federation
+
+EXACT = {  # strategies exact at these options: their decoded update is the autograd gradient
+    "dsgd": ("dsgd", {}),
+    "dad": ("dad", {}),
+    "auto": ("auto", {}),
+    "edad": ("edad", {}),
+    "rankdad": ("rankdad", {"rank": 64, "raw_input": "low_rank", "reduce_on_server": False}),
+    "powersgd": ("powersgd", {"rank": 64, "start_iter": 0, "min_compression_rate": 0.0}),
+}
+CODED = {  # factors as 8-bit codes and a scale per column
+    "rankdad-8bit": ("rankdad", {"rank": 2, "raw_input": "low_rank", "factor_bits": 8}),
+    "powersgd-8bit": ("powersgd", {"rank": 1, "start_iter": 0, "factor_bits": 8}),
+}
+
+
+def run_step(strategy, layout, model, locals_, factors):
+    """One step's messages with each site's uploads scaled by its factor in every phase."""
+    sites = [strategy.site(layout, model) for _ in locals_]
+    server = strategy.server(layout, model)
+    payloads = [site.begin(local, 0) for site, local in zip(sites, locals_)]
+    messages = []
+    while True:
+        message = server.aggregate([strategy.scale(layout, p, f) for p, f in zip(payloads, factors)])
+        messages.append(message)
+        replies = [site.receive(message) for site in sites]
+        if all(r is None for r in replies):
+            return strategy.decode(layout, messages, model), payloads
+        payloads = replies
+
+
+def flat(update: dict) -> torch.Tensor:
+    return torch.cat([t.double().reshape(-1) for key, t in sorted(update.items()) if ":" not in key])
+
+
+@pytest.mark.parametrize("name", list(EXACT))
+def test_a_scaled_upload_adds_its_update_times_the_factor(name):
+    strategy_name, options = EXACT[name]
+    _, layout, _, model, _, locals_ = federation("digits-mlp", "dsgd")
+    strategy = make_strategy(strategy_name, **options)
+    if strategy.needs_factors:
+        _, layout, _, model, _, locals_ = federation("digits-mlp", "dad")
+    factors = [1.0, 0.25, 0.0]
+    scaled, _ = run_step(strategy, layout, model, locals_, factors)
+    N = sum(local.num_samples for local in locals_)
+    alone = [flat(run_step(strategy, layout, model, [local], [1.0])[0]) for local in locals_]
+    expected = sum(f * local.num_samples / N * g for f, local, g in zip(factors, locals_, alone))
+    assert torch.allclose(flat(scaled), expected, rtol=1e-4, atol=1e-6 * float(expected.abs().max()))
+    buffers = [k for k in scaled if split_key(k)[1] == "buffer"]
+    unscaled, _ = run_step(strategy, layout, model, locals_, [1.0, 1.0, 1.0])
+    assert all(torch.equal(scaled[k], unscaled[k]) for k in buffers)  # statistics, not gradients
+
+
+@pytest.mark.parametrize("name", list(CODED))
+def test_coded_factors_are_scaled_by_their_column_scales(name):
+    _, layout, _, model, _, locals_ = federation("digits-mlp", "dad")
+    strategy = make_strategy(CODED[name][0], **CODED[name][1])
+    sites = [strategy.site(layout, model) for _ in locals_]
+    payloads = [site.begin(local, 0) for site, local in zip(sites, locals_)]
+    if name.startswith("powersgd"):  # phase 1: Q_s
+        message = strategy.server(layout, model).aggregate(payloads)
+        payloads = [site.receive(message) for site in sites]
+    original, scaled = payloads[1], strategy.scale(layout, payloads[1], 0.5)
+    for key, tensor in scaled.tensors.items():
+        assert tensor.dtype == original.tensors[key].dtype  # the codes stay codes: the same bytes travel
+    before, after = unpack(original), unpack(scaled)
+    roles = {split_key(k)[1] for k in after.tensors}
+    assert roles & {"P", "Q"}
+    for key, tensor in after.tensors.items():
+        factor = 0.5 if split_key(key)[1] in ("grad", "P") or (split_key(key)[1] == "Q" and name.startswith("powersgd")) else 1.0
+        assert torch.equal(tensor, before.tensors[key] * factor), key
+
+
+@pytest.mark.parametrize("spec", list(WORKLOADS))
+@pytest.mark.parametrize("name", ["dsgd", "dad", "auto", "edad"])
+def test_gram_from_factors_equals_the_autograd_inner_products(spec, name):
+    if name == "edad" and spec != "digits-mlp":
+        pytest.skip("edad serves feed-forward chains only")
+    strategy, layout, _, model, payloads, locals_ = federation(spec, name)
+    G = gram([strategy.terms(layout, p, [], model)[0] for p in payloads])
+    grads = [torch.cat([g.double().reshape(-1) for _, g in sorted(l.grads.items())]) / l.num_samples for l in locals_]
+    expected = torch.stack([torch.stack([gi @ gj for gj in grads]) for gi in grads])
+    assert torch.allclose(G, expected, rtol=1e-5, atol=1e-9 * float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("name", ["rankdad", "powersgd"])
+def test_low_rank_gram_equals_the_autograd_inner_products_at_full_rank(name):
+    _, layout, _, model, _, locals_ = federation("digits-mlp", "dad")
+    strategy = make_strategy(EXACT[name][0], **EXACT[name][1])
+    sites = [strategy.site(layout, model) for _ in locals_]
+    payloads = [site.begin(local, 0) for site, local in zip(sites, locals_)]
+    grads = [{k: g.double() / l.num_samples for k, g in l.grads.items()} for l in locals_]
+    if name == "powersgd":  # Q_s = M_sᵀ P̂ with a square orthonormal P̂: ⟨Q_i, Q_j⟩ = ⟨M_i, M_j⟩
+        message = strategy.server(layout, model).aggregate(payloads)
+        payloads = [site.receive(message) for site in sites]
+        compressed = {split_key(k)[0] for k in payloads[0].tensors}
+        grads = [{k: g for k, g in site.items() if k in compressed} for site in grads]
+    else:
+        compressed = set(grads[0])
+    G = gram([strategy.terms(layout, p, [], model)[0] for p in payloads])
+    vectors = [torch.cat([site[k].reshape(-1) for k in sorted(compressed)]) for site in grads]
+    expected = torch.stack([torch.stack([gi @ gj for gj in vectors]) for gi in vectors])
+    assert torch.allclose(G, expected, rtol=1e-5, atol=1e-9 * float(expected.abs().max()))
+
+
+def test_norm_is_the_inner_product_with_itself_and_unpaired_forms_say_so():
+    generator = torch.Generator().manual_seed(0)
+    P, Q = torch.randn(1, 5, 2, generator=generator), torch.randn(1, 4, 2, generator=generator)
+    dense = torch.bmm(P.double(), Q.double().transpose(1, 2))
+    assert inner(LowRank(P, Q), LowRank(P, Q)) == pytest.approx(float(dense.double().pow(2).sum()), rel=1e-9)
+    with pytest.raises(UnpairedForms, match="LowRank"):
+        inner(Dense(dense), LowRank(P, Q))
+
+
+def gram_of(vectors) -> torch.Tensor:
+    V = torch.tensor(vectors, dtype=torch.float64)
+    return V @ V.T
+
+
+def test_clean_sites_keep_factor_one():
+    weights = robust_weights(gram_of([[1.0, 0.2], [0.9, 0.4], [1.2, -0.1], [0.8, 0.3]]), clip_ratio=4.0)
+    assert weights.factors == [1.0] * 4 and weights.untouched
+
+
+def test_a_large_site_is_clipped_to_c_times_the_median_of_the_others():
+    weights = robust_weights(gram_of([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [50.0, 50.0]]), clip_ratio=4.0)
+    # the others' norms 1, 1, √2: median 1; the attacker's √5000 scaled to 4
+    assert weights.clipped == [3] and weights.factors[3] == pytest.approx(4.0 / 5000**0.5)
+    assert weights.factors[:3] == [1.0, 1.0, 1.0]
+
+
+def test_a_sign_flipped_site_gets_weight_zero_and_the_honest_keep_theirs():
+    honest = [[1.0, 0.1], [0.9, 0.3], [1.1, -0.2]]
+    weights = robust_weights(gram_of([*honest, [-20.0, -2.0]]), clip_ratio=4.0)
+    assert weights.factors == [1.0, 1.0, 1.0, 0.0] and weights.disagreeing == [3]
+
+
+def test_two_sites_bound_each_other_and_agreement_needs_a_majority():
+    weights = robust_weights(gram_of([[1.0, 0.0], [-10.0, 0.0]]), clip_ratio=4.0)
+    assert weights.factors == [1.0, pytest.approx(0.4)] and weights.disagreeing == []
+    tiny = robust_weights(gram_of([[1.0, 0.0], [0.01, 0.0]]), clip_ratio=4.0)  # a tiny site shrinks the other
+    assert tiny.factors == [pytest.approx(0.04), 1.0]
+
+
+def test_a_site_with_no_update_is_not_called_disagreeing_and_off_means_off():
+    assert robust_weights(gram_of([[1.0], [1.0], [0.0]])).disagreeing == []
+    off = robust_weights(gram_of([[1.0], [1.0], [-100.0]]), clip_ratio=None, agreement=False)
+    assert off.factors == [1.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match="not finite"):
+        robust_weights(torch.tensor([[float("nan")]], dtype=torch.float64))
+
+
+def test_factors_that_overflow_together_raise_a_clear_error_not_linalg():
+    from dadfl.strategies.payload import Factors
+    from dadfl.strategies.introspect import energy_rank, factor_energies
+    from dadfl.strategies.power_iteration import power_iteration
+
+    huge = torch.full((1, 8, 4), 1e30)
+    energies = factor_energies(Factors(huge.transpose(1, 2), huge.transpose(1, 2)), 8, 8)  # the update's σ², in float64
+    assert bool(torch.isfinite(energies).all()) and energy_rank(energies, 0.99) == 1
+    with pytest.raises(ValueError, match="not finite"):
+        power_iteration(huge, huge, 2)
+
+
+def test_agreement_is_greedy_an_honest_site_pulled_down_by_the_attacker_alone_keeps_its_weight():
+    # sites 1 and 2 disagree slightly (cosine −0.07): their median cosines over the three others
+    # are ≤ 0 while the attacker (3) is in, > 0 once it is out
+    honest = [[1.0, 0.0, 0.0], [0.6, 0.8, 0.0], [0.8, -0.7, 0.2]]
+    G = gram_of([*honest, [-2.0, -0.2, 0.0]])
+    cosines = G / torch.outer(G.diagonal().sqrt(), G.diagonal().sqrt())
+    assert float(cosines[1, 2]) < 0 and float(cosines[1, 3]) < 0 and float(cosines[2, 3]) < 0
+    weights = robust_weights(G, clip_ratio=None)
+    assert weights.disagreeing == [3] and weights.factors == [1.0, 1.0, 1.0, 0.0]
