@@ -1,4 +1,4 @@
-"""``python -m dadfl.client --config configs/site-a.toml``: a site without the rest of the CLI."""
+"""``dadfl.client.__main__`` — ``python -m dadfl.client --config configs/site-a.toml``: a site without the rest of the CLI."""
 
 import typer
 

@@ -1,4 +1,4 @@
-"""The site command: ``dadfl site --config configs/site-a.toml``; ``dadfl/cli.py`` registers it."""
+"""``dadfl.client.cli`` — the site command: ``dadfl site --config configs/site-a.toml``; ``dadfl/cli.py`` registers it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A site's TOML configuration (``dadfl site --config configs/site-a.toml``).
+"""``dadfl.client.config`` — a site's TOML configuration (``dadfl site --config configs/site-a.toml``).
 
 The server is the source of truth for the model, strategy and hyperparameters; a site
 configures only how to reach the server, who it is, where its data lives, and where

@@ -1,4 +1,4 @@
-"""A site's training data, as a map-style ``torch.utils.data.Dataset``, and its minibatches.
+"""``dadfl.client.data`` — a site's training data, as a map-style ``torch.utils.data.Dataset``, and its minibatches.
 
 Three sources, one code path (``data.source`` in the site config):
 

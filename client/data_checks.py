@@ -1,4 +1,4 @@
-"""A site's data checked against the model before the site joins: dtypes, shapes, label range.
+"""``dadfl.client.data_checks`` — a site's data checked against the model before the site joins: dtypes, shapes, label range.
 
 Whatever produces the site's batches (a file, a partition, the site's own Dataset),
 :func:`check_batches` plans the dtype conversion from step 0's batch, runs that batch

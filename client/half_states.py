@@ -1,4 +1,4 @@
-"""The site half's saved strategy states, by the step they start, for replays and rejoins.
+"""``dadfl.client.half_states`` — the site half's saved strategy states, by the step they start, for replays and rejoins.
 
 After applying step t the site saves its half's state as the state at step t + 1 (before it
 reports the step done). When the server begins step t and the site's half is elsewhere (a

@@ -1,4 +1,4 @@
-"""A site: joins the coordinator, trains on local data, never sends the data itself.
+"""``dadfl.client.site`` — a site: joins the coordinator, trains on local data, never sends the data itself.
 
 ``run_site`` connects (TLS with the configured CA, or plain text when the config has no
 CA), says hello with its site id and token, builds its replica from the run config the

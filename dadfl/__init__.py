@@ -1,4 +1,4 @@
-"""dadfl: federated learning that shares auto-differentiation factors instead of gradients.
+"""``dadfl`` — dadfl: federated learning that shares auto-differentiation factors instead of gradients.
 
 The package gathers the project's parts under one name: ``dadfl.strategies`` (the math),
 ``dadfl.server`` and ``dadfl.client`` (the gRPC runtime), ``dadfl.protos`` (the wire),

@@ -1,4 +1,4 @@
-"""Audit trails: append-only, hash-chained JSON lines at every party.
+"""``dadfl.audit`` — audit trails: append-only, hash-chained JSON lines at every party.
 
 What a data-protection officer asks of a site — what left it, when, to whom, under what
 code and what privacy budget — and of a coordinator — who joined, who was refused or

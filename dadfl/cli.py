@@ -1,4 +1,4 @@
-"""The ``dadfl`` command: simulate a federation, run a coordinator, run a site."""
+"""``dadfl.cli`` — the ``dadfl`` command: simulate a federation, run a coordinator, run a site."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""TOML configuration files validated by pydantic, with errors that name file, field and fix."""
+"""``dadfl.config`` — TOML configuration files validated by pydantic, with errors that name file, field and fix."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""How a command fails: one line on stderr, never a local variable or a secret.
+"""``dadfl.failures`` — how a command fails: one line on stderr, never a local variable or a secret.
 
 ``dadfl --debug ...`` (or ``--debug`` after a command) adds the traceback: frames and source
 lines only, as Python prints them, with every registered secret (a site's token) redacted.

@@ -1,4 +1,4 @@
-"""Freed model-sized buffers go back to the operating system (glibc's malloc).
+"""``dadfl.memory`` — freed model-sized buffers go back to the operating system (glibc's malloc).
 
 glibc serves an allocation of at least ``M_MMAP_THRESHOLD`` bytes (128 KiB at start) with a
 mapping of its own, which ``free`` returns to the system at once. But each time such a block

@@ -1,4 +1,4 @@
-"""Metrics as JSON lines: one record per step, the same keys in every runtime.
+"""``dadfl.metrics`` — metrics as JSON lines: one record per step, the same keys in every runtime.
 
 Every runtime writes :meth:`dadfl.records.StepRecord.to_json` (``dadfl/records/step.py``
 names each key); this module writes and reads the lines and summarises a run.

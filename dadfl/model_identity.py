@@ -1,4 +1,4 @@
-"""Does a site run the coordinator's model? Checked by the site before it loads data.
+"""``dadfl.model_identity`` — does a site run the coordinator's model? Checked by the site before it loads data.
 
 The layout fingerprint covers structure: parameter names and shapes, buffers, which
 layers travel as factors. Where it differs, the run config's hashes of the coordinator's

@@ -1,4 +1,4 @@
-"""Options of strategies and workload factories, checked against their declared types.
+"""``dadfl.options`` — options of strategies and workload factories, checked against their declared types.
 
 Strict types (no ``"4"`` for an int), finite and bounded numbers, bounded strings, no
 unknown names. A site applies this to what the coordinator sends; the coordinator to its

@@ -1,4 +1,4 @@
-"""One copy of the shared model: workload, optimizer and the strategy's halves around it.
+"""``dadfl.replica`` — one copy of the shared model: workload, optimizer and the strategy's halves around it.
 
 Every participant holds a replica — each site (with local data) and the coordinator
 (without). All of them start from the coordinator's weights (``load_weights_from``, or

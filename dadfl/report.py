@@ -1,4 +1,4 @@
-"""Tables and plots from a run folder's ``metrics.jsonl`` (any runtime writes the same keys)."""
+"""``dadfl.report`` — tables and plots from a run folder's ``metrics.jsonl`` (any runtime writes the same keys)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Text that came from another party, made safe to log or echo: one line, bounded length."""
+"""``dadfl.sanitize`` — text that came from another party, made safe to log or echo: one line, bounded length."""
 
 from __future__ import annotations
 

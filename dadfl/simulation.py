@@ -1,4 +1,4 @@
-"""In-process federation: N sites and a coordinator in one process, one replica each.
+"""``dadfl.simulation`` — in-process federation: N sites and a coordinator in one process, one replica each.
 
 Every site has its own model replica, optimizer, data partition and strategy site half;
 the coordinator has a replica and the server half. Payloads go through the same

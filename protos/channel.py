@@ -1,4 +1,4 @@
-"""gRPC channel and server options shared by the coordinator and the sites."""
+"""``dadfl.protos.channel`` — gRPC channel and server options shared by the coordinator and the sites."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Payload <-> wire messages: raw little-endian tensor bytes, chunked, optional fp16/bf16.
+"""``dadfl.protos.codec`` — payload <-> wire messages: raw little-endian tensor bytes, chunked, optional fp16/bf16.
 
 ``encode_payload`` turns a :class:`~dadfl.strategies.Payload` into ``PayloadChunk``
 messages; :class:`PayloadAssembler` rebuilds it from chunks as they arrive, checking

@@ -1,4 +1,4 @@
-"""Regenerate the Python modules of the wire schema: ``python -m dadfl.protos.generate``.
+"""``dadfl.protos.generate`` — regenerate the Python modules of the wire schema: ``python -m dadfl.protos.generate``.
 
 The ``.proto`` sources live in ``protos/dadfl/v1/`` (package ``dadfl.v1``); the
 generated ``*_pb2.py`` / ``*_pb2_grpc.py`` modules are committed next to this file so

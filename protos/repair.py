@@ -1,4 +1,4 @@
-"""Repair only what differs: a replica's state in blocks, each with its own hash.
+"""``dadfl.protos.repair`` — repair only what differs: a replica's state in blocks, each with its own hash.
 
 The state (``state.py``: weights, buffers, optimizer state, in its key order) is cut into
 blocks of ``BLOCK_ELEMENTS`` elements of each tensor's flat view; each block's hash is the

@@ -1,4 +1,4 @@
-"""A replica's full state as a payload: what a joining or out-of-sync site receives.
+"""``dadfl.protos.state`` — a replica's full state as a payload: what a joining or out-of-sync site receives.
 
 Keys: ``model/<name>`` for every parameter and buffer, ``optim/<index>/<name>`` for every
 tensor of the optimizer's per-parameter state (momentum, Adam moments and step). The

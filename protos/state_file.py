@@ -1,4 +1,4 @@
-"""Tensors in a file, written and read in chunks: checkpoints and saved strategy states.
+"""``dadfl.protos.state_file`` — tensors in a file, written and read in chunks: checkpoints and saved strategy states.
 
 Layout (little-endian, as the wire)::
 

@@ -1,4 +1,4 @@
-"""``python -m dadfl.server --config configs/server.toml``: the coordinator without the rest of the CLI."""
+"""``dadfl.server.__main__`` — ``python -m dadfl.server --config configs/server.toml``: the coordinator without the rest of the CLI."""
 
 import typer
 

@@ -1,4 +1,4 @@
-"""Admission: a new stream's handshake, from its hello to its link in the step loop.
+"""``dadfl.server.admission`` — admission: a new stream's handshake, from its hello to its link in the step loop.
 
 A site's stream opens with ``hello`` (protocol version, site id, token), checked in this
 order: the protocol version, the site id's form (before it reaches a log line or a

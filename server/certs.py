@@ -1,4 +1,4 @@
-"""A development CA and a server certificate signed by it (``dadfl certs``); site certificates.
+"""``dadfl.server.certs`` — a development CA and a server certificate signed by it (``dadfl certs``); site certificates.
 
 For tests, demos and docker-compose: a real deployment uses certificates from the
 hospital's own PKI. The server certificate names ``localhost``, ``127.0.0.1`` and every

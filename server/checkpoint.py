@@ -1,4 +1,4 @@
-"""Atomic checkpoints of the coordinator's replica, and resuming from them.
+"""``dadfl.server.checkpoint`` — atomic checkpoints of the coordinator's replica, and resuming from them.
 
 A checkpoint holds the model and optimizer state, the server strategy half's state at
 the start of the next step, the next step to run, the run id, and the identity of the run (workload, strategy, optimizer) so a restart with a

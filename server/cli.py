@@ -1,4 +1,4 @@
-"""Commands of the coordinator side: ``dadfl server``, ``dadfl enroll``, ``dadfl certs``, and
+"""``dadfl.server.cli`` — commands of the coordinator side: ``dadfl server``, ``dadfl enroll``, ``dadfl certs``, and
 the operator's console: ``dadfl status``, ``dadfl readmit``, ``dadfl stop``.
 
 Plain functions with typer annotations; ``dadfl/cli.py`` registers them on the ``dadfl`` app.

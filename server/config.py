@@ -1,4 +1,4 @@
-"""The coordinator's TOML configuration (``dadfl server --config configs/server.toml``).
+"""``dadfl.server.config`` — the coordinator's TOML configuration (``dadfl server --config configs/server.toml``).
 
 Relative paths are resolved against the working directory the server starts in (what
 ``docker compose`` sets with ``working_dir``).

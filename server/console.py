@@ -1,4 +1,4 @@
-"""The operator's console: what ``dadfl status``, ``dadfl enroll --list``, ``dadfl readmit``
+"""``dadfl.server.console`` — the operator's console: what ``dadfl status``, ``dadfl enroll --list``, ``dadfl readmit``
 and ``dadfl stop`` read and do, from the server config and its run folder.
 
 Everything here reads files the coordinator writes (``status.json``, ``metrics.jsonl``,

@@ -1,4 +1,4 @@
-"""The coordinator: one gRPC service that admits sites, carries their streams and runs the steps.
+"""``dadfl.server.coordinator`` — the coordinator: one gRPC service that admits sites, carries their streams and runs the steps.
 
 :class:`Coordinator` is the ``Coordinator`` gRPC service (``protos/dadfl/v1/coordinator.proto``)
 and holds one run's state: the replica, the strategy's server half, the connected sites'

@@ -1,4 +1,4 @@
-"""Site enrolment: tokens issued once, only their SHA-256 hashes stored; revocation.
+"""``dadfl.server.enrol`` — site enrolment: tokens issued once, only their SHA-256 hashes stored; revocation.
 
 The token file is JSON, rewritten atomically::
 

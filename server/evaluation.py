@@ -1,4 +1,4 @@
-"""Federated evaluation: the sites' held-out metrics, checked, then combined.
+"""``dadfl.server.evaluation`` — federated evaluation: the sites' held-out metrics, checked, then combined.
 
 Every site evaluates the global model on its own held-out data on evaluation steps and
 reports ``loss``, the workload's metric and its sample count in ``StepDone.eval``. A

@@ -1,4 +1,4 @@
-"""One connected site as the coordinator's step loop sees it: an inbox and an outbox, both bounded.
+"""``dadfl.server.links`` — one connected site as the coordinator's step loop sees it: an inbox and an outbox, both bounded.
 
 The gRPC handler of a site's stream (``Coordinator.Join``) reads the site's messages
 into ``inbox`` as events and writes whatever the step loop puts into ``outbox``. Every

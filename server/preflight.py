@@ -1,4 +1,4 @@
-"""Checks before anyone waits: what ``dadfl server --check``, the server at start and
+"""``dadfl.server.preflight`` — checks before anyone waits: what ``dadfl server --check``, the server at start and
 ``dadfl enroll`` run before a site is told to connect.
 
 :func:`build_replica` is how the coordinator builds its replica (workload with the

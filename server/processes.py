@@ -1,4 +1,4 @@
-"""Multi-process simulation: one coordinator and N site processes over loopback gRPC.
+"""``dadfl.server.processes`` — multi-process simulation: one coordinator and N site processes over loopback gRPC.
 
 ``simulate_processes`` has the signature and output of the in-process
 :func:`dadfl.simulation.simulate`: the same records (plus wire bytes and per-phase

@@ -1,4 +1,4 @@
-"""What the operator sees while the coordinator runs: progress, and optionally TensorBoard.
+"""``dadfl.server.progress`` — what the operator sees while the coordinator runs: progress, and optionally TensorBoard.
 
 Steps are numbered from 0 everywhere: in ``metrics.jsonl``, the plots, the coordinator's
 and the sites' logs ("step 5" is the sixth step); a count of steps done says "6/100".

@@ -1,4 +1,4 @@
-"""Sites refused too often are quarantined for the run, until the operator re-admits them.
+"""``dadfl.server.quarantine`` — sites refused too often are quarantined for the run, until the operator re-admits them.
 
 The coordinator counts each site's refused uploads (a check failed, its contribution out
 of bounds, bytes that do not decode). At ``federation.quarantine_after`` refusals the site

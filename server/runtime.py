@@ -1,4 +1,4 @@
-"""Running the coordinator: the gRPC server (TLS or, explicitly, plain text) around the step loop."""
+"""``dadfl.server.runtime`` — running the coordinator: the gRPC server (TLS or, explicitly, plain text) around the step loop."""
 
 from __future__ import annotations
 

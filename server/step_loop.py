@@ -1,4 +1,4 @@
-"""The step loop: the strategy's server half driven over the connected sites, step by step.
+"""``dadfl.server.step_loop`` — the step loop: the strategy's server half driven over the connected sites, step by step.
 
 Each step (:meth:`StepLoop.run`), over the sites connected, in site-id order:
 

@@ -1,4 +1,4 @@
-"""A site's gRPC stream once the handshake has admitted it: reading, writing, ending.
+"""``dadfl.server.streams`` — a site's gRPC stream once the handshake has admitted it: reading, writing, ending.
 
 One bidirectional stream per site (``Join``). A reader task turns the site's messages into
 events on its :class:`~dadfl.server.links.SiteLink`: an assembled upload (chunks

@@ -1,4 +1,4 @@
-"""One phase's uploads: collected as they arrive, checked, aggregated into one message.
+"""``dadfl.server.uploads`` — one phase's uploads: collected as they arrive, checked, aggregated into one message.
 
 The step loop waits for every active site's answer to the phase (its upload, or its
 ``step_done`` after the last phase) in the order they arrive, at most

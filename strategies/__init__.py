@@ -1,4 +1,4 @@
-"""Strategies: the math only, pure torch, no I/O.
+"""``dadfl.strategies`` — strategies: the math only, pure torch, no I/O.
 
 Each strategy has a site half (local forward/backward -> payload; messages -> next
 payload) and a server half (payloads of one phase -> one message), and decodes the

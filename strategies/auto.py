@@ -1,4 +1,4 @@
-"""auto: per layer and step, whichever exact form is smaller — dense gradient or factors.
+"""``dadfl.strategies.auto`` — auto: per layer and step, whichever exact form is smaller — dense gradient or factors.
 
 dAD's factors cost n_s·(k + m) floats per group where the gradient costs k·m (+ m bias).
 Which is smaller depends on the batch: rows grow with batch size, sequence length and

@@ -1,4 +1,4 @@
-"""The strategy protocol: the two halves, the ``Strategy`` base class, dense parts.
+"""``dadfl.strategies.base`` — the strategy protocol: the two halves, the ``Strategy`` base class, dense parts.
 
 A strategy has two halves. The **site half** turns one local forward/backward into the
 payload of phase 0, and turns each server message into the next phase's payload or,

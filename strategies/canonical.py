@@ -1,4 +1,4 @@
-"""Canonical arithmetic: every replica computes the step's update and the optimizer step so
+"""``dadfl.strategies.canonical`` — canonical arithmetic: every replica computes the step's update and the optimizer step so
 that machines with other float kernels (vector units, BLAS builds, GPUs) get the same bits.
 
 Replicas decode the same messages and apply them with the same optimizer, but a product or

@@ -1,4 +1,4 @@
-"""Factor capture: the inputs A and output deltas Δ of every linear, conv and embedding call.
+"""``dadfl.strategies.capture`` — factor capture: the inputs A and output deltas Δ of every linear, conv and embedding call.
 
 For y = x Wᵀ + b the summed loss has ∂L/∂W = Δᵀ A, with A the rows of x and Δ the rows of
 ∂L/∂y. Leading dimensions (batch × time) flatten to rows. A convolution is the same

@@ -1,4 +1,4 @@
-"""What an upload may carry, and how far it may move the model: the machinery every
+"""``dadfl.strategies.checks`` — what an upload may carry, and how far it may move the model: the machinery every
 strategy's checks are built from.
 
 A strategy states, per phase, what a site may send as a list of **units** — one per

@@ -1,4 +1,4 @@
-"""dAD: distributed auto-differentiation — sites send activations and deltas, not gradients.
+"""``dadfl.strategies.dad`` — dAD: distributed auto-differentiation — sites send activations and deltas, not gradients.
 
 For a captured layer the site's summed-loss gradient is Δ_sᵀ A_s (per group), so the
 site sends A_s (n_s × k per group) and Δ_s (n_s × m per group) instead of the m × k

@@ -1,4 +1,4 @@
-"""dSGD: gradient averaging, the exact reference every other strategy is measured against.
+"""``dadfl.strategies.dsgd`` — dSGD: gradient averaging, the exact reference every other strategy is measured against.
 
 Each site sends the gradient of its summed loss for every parameter; the server sums
 and divides by N = Σ n_s, giving the gradient of the mean loss over the union of the

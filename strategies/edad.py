@@ -1,4 +1,4 @@
-"""edAD: dAD that sends the deltas of the output layer only.
+"""``dadfl.strategies.edad`` — edAD: dAD that sends the deltas of the output layer only.
 
 In a feed-forward chain y_{l} = W_l a_l + b_l, a_{l+1} = σ_l(y_l) with elementwise σ_l,
 the deltas obey

@@ -1,4 +1,4 @@
-"""Inner products of the updates sites' uploads add, from the factors, never forming ΔᵀA.
+"""``dadfl.strategies.gram`` — inner products of the updates sites' uploads add, from the factors, never forming ΔᵀA.
 
 A site's upload adds to the update, per parameter, a sum of **terms** (mean units: a term
 carries the weight 1/n_s that turns its sum-unit tensors into the site's mean gradient):

@@ -1,4 +1,4 @@
-"""Effective rank of a layer's gradient, read off its factors: introspection into training.
+"""``dadfl.strategies.introspect`` — effective rank of a layer's gradient, read off its factors: introspection into training.
 
 A captured layer's summed-loss gradient is W = Δᵀ A per group (``base.Factors``), plus
 onehot(ids)ᵀ rows for an embedding's lookups. The nonzero eigenvalues of (A Aᵀ)(Δ Δᵀ) — an

@@ -1,4 +1,4 @@
-"""Which parameters travel as factors and which travel dense, found and verified once per model.
+"""``dadfl.strategies.layout`` — which parameters travel as factors and which travel dense, found and verified once per model.
 
 A *captured layer* is a weight whose every gradient-carrying use is a linear, conv or
 embedding call (``capture.py`` follows the calls, wherever they happen): its gradient is

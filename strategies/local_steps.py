@@ -1,4 +1,4 @@
-"""FedAvg and DiLoCo: H local optimizer steps at every site, then one averaged model delta.
+"""``dadfl.strategies.local_steps`` — fedAvg and DiLoCo: H local optimizer steps at every site, then one averaged model delta.
 
 These are the baselines a federated-learning user compares factor sharing against. One
 step of the federation is one **round**: every site starts from the shared weights θ_t,

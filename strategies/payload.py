@@ -1,4 +1,4 @@
-"""What travels: the payload of one phase, a site's local result, a captured layer's factors.
+"""``dadfl.strategies.payload`` — what travels: the payload of one phase, a site's local result, a captured layer's factors.
 
 Every tensor a party sends sits in a :class:`Payload` under the key
 ``"<parameter or layer name>:<role>"`` (:func:`tensor_key`; roles such as ``grad``,

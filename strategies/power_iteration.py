@@ -1,4 +1,4 @@
-"""Structured power iteration: a rank-r factorisation of Dᵀ A without forming Dᵀ A.
+"""``dadfl.strategies.power_iteration`` — structured power iteration: a rank-r factorisation of Dᵀ A without forming Dᵀ A.
 
 A captured layer's summed-loss weight gradient per group is G = Dᵀ A (m × k), with
 A (n × k) its input rows and D (n × m) its output deltas. Subspace (block power)

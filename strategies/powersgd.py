@@ -1,4 +1,4 @@
-"""PowerSGD (Vogels, Karimireddy and Jaggi, NeurIPS 2019), as PyTorch's ``powerSGD_hook`` does it.
+"""``dadfl.strategies.powersgd`` — powerSGD (Vogels, Karimireddy and Jaggi, NeurIPS 2019), as PyTorch's ``powerSGD_hook`` does it.
 
 Each trainable tensor with more than one dimension is viewed as a matrix
 M (n × m) = grad.reshape(shape[0], -1) and compressed if it pays,

@@ -1,4 +1,4 @@
-"""Mixed precision: the autocast a site's forward/backward runs under, the tolerance it implies,
+"""``dadfl.strategies.precision`` — mixed precision: the autocast a site's forward/backward runs under, the tolerance it implies,
 and fp16's loss scaling.
 
 ``precision`` is ``"fp32"`` (no autocast), ``"bf16"`` or ``"fp16"``: ``torch.autocast`` on the

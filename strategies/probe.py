@@ -1,4 +1,4 @@
-"""The probe step: which captured weights reproduce their autograd gradient exactly.
+"""``dadfl.strategies.probe`` — the probe step: which captured weights reproduce their autograd gradient exactly.
 
 One forward on the example input records every linear, conv and embedding call on a
 parameter (``capture.CallRecorder``); one backward of a fixed pseudo-random cotangent

@@ -1,4 +1,4 @@
-"""Integer factors: a low-rank strategy's P and Q sent as b-bit integers, one scale per column.
+"""``dadfl.strategies.quantize`` — integer factors: a low-rank strategy's P and Q sent as b-bit integers, one scale per column.
 
 A factor F (…, L, r) travels as codes and a scale per column (per rank component):
 

@@ -1,4 +1,4 @@
-"""rank-dAD: sites send rank-r factors of their weight gradients, computed from A and Δ,
+"""``dadfl.strategies.rankdad`` — rank-dAD: sites send rank-r factors of their weight gradients, computed from A and Δ,
 with error feedback at the sites and on the server's re-reduction.
 
 A site's summed-loss gradient of a captured layer is Δ_sᵀ A_s per group (m × k). Instead

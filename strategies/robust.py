@@ -1,4 +1,4 @@
-"""Bounded influence: from the Gram matrix of the sites' updates, a factor in [0, 1] per site.
+"""``dadfl.strategies.robust`` — bounded influence: from the Gram matrix of the sites' updates, a factor in [0, 1] per site.
 
 Input: G (S × S, float64), G_ij = ⟨g_i, g_j⟩ of the sites' updates in mean units (``gram.py``
 computes it from the factors). Output: s_i ∈ [0, 1]; the coordinator scales site i's upload

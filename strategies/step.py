@@ -1,4 +1,4 @@
-"""One synchronous step of any strategy over in-memory sites, and the dSGD reference.
+"""``dadfl.strategies.step`` — one synchronous step of any strategy over in-memory sites, and the dSGD reference.
 
 These functions are the public way to check a strategy on your own model::
 

@@ -1,4 +1,4 @@
-"""Workloads: a model factory, its data, a per-sample loss and a metric.
+"""``dadfl.workloads`` — workloads: a model factory, its data, a per-sample loss and a metric.
 
 Built-in ones (``digits-mlp``, ``digits-cnn``, ``breast-cancer-mlp``, ``char-gru``,
 ``char-transformer``, ``char-transformer-100m``) use only data bundled with scikit-learn or Python; any other is

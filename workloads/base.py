@@ -1,4 +1,4 @@
-"""The workload contract: a model, its loss and its metric (and, optionally, data).
+"""``dadfl.workloads.base`` — the workload contract: a model, its loss and its metric (and, optionally, data).
 
 Workloads are plugged in by import path (``"package.module:factory"``); a factory takes
 keyword options and returns a :class:`Workload`. What the coordinator names and every

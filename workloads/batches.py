@@ -1,4 +1,4 @@
-"""A site's minibatches: the batch of step t is a pure function of (seed, t, the data).
+"""``dadfl.workloads.batches`` — a site's minibatches: the batch of step t is a pure function of (seed, t, the data).
 
 Each epoch of a site's n samples is its own permutation, drawn from a generator seeded by
 (seed, epoch); epoch e serves steps e·k … e·k + k − 1 with k = n // b full batches of

@@ -1,4 +1,4 @@
-"""Breast cancer Wisconsin (scikit-learn's bundled table, 30 features, 2 classes): an MLP.
+"""``dadfl.workloads.breast_cancer`` — breast cancer Wisconsin (scikit-learn's bundled table, 30 features, 2 classes): an MLP.
 
 A small tabular workload close to the hospital use case. Features are standardised
 with statistics of the training split only, so nothing about the test rows leaks in.

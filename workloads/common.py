@@ -1,4 +1,4 @@
-"""Pieces every built-in workload shares: seeded model building, splits, loss, metric."""
+"""``dadfl.workloads.common`` — pieces every built-in workload shares: seeded model building, splits, loss, metric."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Handwritten digits (scikit-learn's bundled 8x8 images, 10 classes): an MLP and a CNN.
+"""``dadfl.workloads.digits`` — handwritten digits (scikit-learn's bundled 8x8 images, 10 classes): an MLP and a CNN.
 
 The MLP is a plain ``nn.Sequential`` of Linear layers and elementwise activations, the
 shape edAD needs. The CNN mixes a strided, padded convolution with a grouped one, the

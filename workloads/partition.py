@@ -1,4 +1,4 @@
-"""Splitting one training set across simulated sites.
+"""``dadfl.workloads.partition`` — splitting one training set across simulated sites.
 
 Schemes (the usual non-IID benchmarks of federated learning):
 

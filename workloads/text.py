@@ -1,4 +1,4 @@
-"""Character-level language modelling on Python's bundled help texts: a GRU and a transformer.
+"""``dadfl.workloads.text`` — character-level language modelling on Python's bundled help texts: a GRU and a transformer.
 
 The text is ``pydoc_data.topics.topics`` (English prose and code that ships with every
 Python), so no download is needed. Both models are built from ``nn.Linear`` modules

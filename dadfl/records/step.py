@@ -1,4 +1,4 @@
-"""One committed step of a run: a line of ``metrics.jsonl``, the same keys in every runtime.
+"""``dadfl.records.step`` — one committed step of a run: a line of ``metrics.jsonl``, the same keys in every runtime.
 
 Every runtime (the in-process simulation, the gRPC coordinator, the Flower server app)
 fills one :class:`StepRecord` per step and writes :meth:`StepRecord.to_json`; ``dadfl
