@@ -20,6 +20,7 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from dadfl.strategies import exchange, make_strategy
 from dadfl.strategies.introspect import gradient_ranks
+from dadfl.strategies.robust import DEFAULT_CLIP_RATIO, check_clip_ratio
 from dadfl.workloads import load_workload, partition, site_batches
 from dadfl.workloads.batches import PoissonBatches, SplitDataset
 
@@ -29,7 +30,6 @@ from .privacy.accounting import DPConfig, PrivacyBudget, check_dp_strategy, expe
 from .privacy.coordinator import CoordinatorNoise, private_step
 from .records import StepRecord
 from .replica import OptimizerConfig, Replica, check_dp_precision, resolve_device
-from .strategies.robust import DEFAULT_CLIP_RATIO, check_clip_ratio
 from .trust.screening import Screening
 
 
