@@ -3,7 +3,7 @@
 The ``.proto`` sources live in ``protos/dadfl/v1/`` (package ``dadfl.v1``); the
 generated ``*_pb2.py`` / ``*_pb2_grpc.py`` modules are committed next to this file so
 that running dadfl needs only ``grpcio`` and ``protobuf``. ``grpcio-tools`` (a test/dev
-dependency) is needed only here. Output is deterministic: ``tests/test_wire_generated.py``
+dependency) is needed only here. Output is deterministic: ``tests/protos/test_wire_generated.py``
 regenerates into a temporary folder and compares byte for byte.
 """
 

@@ -57,7 +57,7 @@ class PhaseUploads:
                 try:
                     # asyncio.timeout, never wait_for, for every wait here: on Python 3.11 wait_for
                     # drops a cancel that lands as the awaited value arrives, so a Ctrl-C during a
-                    # busy run went unheard (tests/test_end_of_run.py).
+                    # busy run went unheard (tests/runtime/test_end_of_run.py).
                     async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
                         link = await self.arrivals.get()
                 except TimeoutError:

@@ -37,7 +37,7 @@ matrix shape (first-appearance order of each shape). Here the whole model is one
 bucket in reverse parameter order — DDP's order for a model whose gradients become
 ready in reverse (any feed-forward model) and that fits in one bucket (≤ 1 MiB);
 within it, the same grouping by shape. With equal site batch sizes the two then
-agree to fp32 rounding (``tests/test_powersgd.py`` runs the hook). Two deliberate
+agree to fp32 rounding (``tests/strategies/test_powersgd.py`` runs the hook). Two deliberate
 differences: sites are weighted n_s/N (the hook averages ranks; equal for equal
 batches), and dense tensors carry no error memory — in the hook their error
 e_s = M_s − mean(M) sums to zero over sites, so the mean it sends is unchanged.

@@ -81,7 +81,7 @@ or the server sends travels as integer codes with one float scale per column
 float. The rounding error is fed back like what rank r drops: the site's memory is
 e_s ← M_s − P̄_s Q̄_sᵀ / n_s with P̄_s, Q̄_s what the codes decode to (n_s·P̃_s is rounded,
 as sent), and the server's E ← X − P̄ Q̄ᵀ / N, so every replica's update plus the memories
-still adds up to the gradients (``tests/test_integer_factors.py``). A concatenated
+still adds up to the gradients (``tests/strategies/test_integer_factors.py``). A concatenated
 downlink rounds each site's decoded factors again, one scale per column. Not exact at
 any rank: full rank with integer factors leaves the rounding in the memories.
 
