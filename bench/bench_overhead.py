@@ -280,6 +280,11 @@ def run_dadfl(n_sites: int, steps: int) -> tuple[list[float], CpuWindow]:
     return [r["seconds"] for r in records[WARMUP:]], window
 
 
+def ratio(a: float, b: float) -> float:
+    """a / b; nan when b is 0 (a window too short for the CPU clock's ticks: use more --steps)."""
+    return a / b if b else float("nan")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sites", type=int, nargs="+", default=[8, 32])
@@ -306,9 +311,9 @@ def main() -> None:
             "site_compute_ms": site * 1e3, "overhead_ms": overhead * 1e3, "overhead_per_echo_round": overhead / echo,
             "overhead_on_cores_ms": on_cores * 1e3, "overhead_on_cores_per_echo_round": on_cores / echo,
             "cpu_per_site_step_ms": site_process * 1e3, "cpu_per_echo_client_round_ms": echo_client * 1e3,
-            "cpu_site_per_echo_client": site_process / echo_client,
+            "cpu_site_per_echo_client": ratio(site_process, echo_client),
             "coordinator_cpu_per_site_step_ms": coordinator * 1e3, "echo_server_cpu_per_client_round_ms": echo_server * 1e3,
-            "cpu_coordinator_per_echo_server": coordinator / echo_server,
+            "cpu_coordinator_per_echo_server": ratio(coordinator, echo_server),
             "cpu_floor_step_ms": n * site_process / max(1, min(n, cores)) * 1e3, "goal_step_ms": goal_step * 1e3,
             "goal_cpu_per_site_step_ms": goal_step * min(n, cores) / n * 1e3,
         })
@@ -320,9 +325,9 @@ def main() -> None:
         )
         print(
             f"{n:3d} sites: CPU per site process and step {site_process * 1e3:5.3f} ms, an echo client per round "
-            f"{echo_client * 1e3:5.3f} ms: {site_process / echo_client:4.1f}x (goal <= {GOAL_CPU_RATIO}x) | coordinator CPU per site and "
+            f"{echo_client * 1e3:5.3f} ms: {ratio(site_process, echo_client):4.1f}x (goal <= {GOAL_CPU_RATIO}x) | coordinator CPU per site and "
             f"step {coordinator * 1e3:5.3f} ms, the echo server's per client and round {echo_server * 1e3:5.3f} ms: "
-            f"{coordinator / echo_server:4.1f}x | {n} sites on {cores} cores: a step takes at least {results[-1]['cpu_floor_step_ms']:6.2f} ms "
+            f"{ratio(coordinator, echo_server):4.1f}x | {n} sites on {cores} cores: a step takes at least {results[-1]['cpu_floor_step_ms']:6.2f} ms "
             f"| the goal's step {goal_step * 1e3:5.2f} ms leaves each site {results[-1]['goal_cpu_per_site_step_ms']:5.3f} ms of CPU",
             flush=True,
         )
