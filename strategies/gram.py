@@ -169,7 +169,8 @@ def gram(sites: Sequence[Terms]) -> torch.Tensor:
             rows = torch.stack([t.tensor.double().reshape(-1) * t.weight for _, t in dense])
             index = torch.tensor([i for i, _ in dense])
             per_site = rows.new_zeros(S, rows.shape[1]).index_add_(0, index, rows)
-            G += per_site @ per_site.T
+            product = per_site @ per_site.T
+            G += product.triu() + product.triu(1).T  # each pair once, as the pairwise rule: symmetric to the bit
             stacked = {id(t) for _, t in dense}
         else:
             stacked = set()
