@@ -21,11 +21,14 @@ For each site count N it runs, in the same session:
 Medians over the steps after a warm-up. Goal: overhead <= 1.5 echo rounds (measured in the
 same run) at 8 and at 32 site processes.
 
-**CPU per process.** Both are also run for three times the steps (rounds), and the CPU time
-their child processes used (``getrusage``) in the two runs is differenced, which cancels
-start-up and imports (about a second of CPU per process, against well under a millisecond
-per step): CPU per site process per step, and per echo client per round. With more
-processes than cores a step can take no less than sites × CPU per site / cores, which the
+**CPU per process.** Each process's CPU time (``/proc/<pid>/stat``, every thread) is read
+when the run is ``WARMUP`` steps (rounds) in and again a few before its end: start-up,
+imports and teardown (about a second of CPU per process, against well under a millisecond
+per step) stay outside the window. Reported: CPU per site process per step beside an echo
+client's per round, and their ratio (goal: at most ``GOAL_CPU_RATIO``); the coordinator's
+CPU (this process) per site and step beside the echo server's per client and round. The
+dadfl window is found by watching the metrics file's size every ``WATCH_S`` (a few stat
+calls a second, nothing beside the coordinator's own CPU). With more processes than cores a step can take no less than sites × CPU per site / cores, which the
 output sets beside the goal's step time (compute + 1.5 echo rounds): the CPU each site may
 use per step for the goal to be reachable on this machine at all is
 (compute + 1.5 echo rounds) × cores / sites.
@@ -38,19 +41,25 @@ import asyncio
 import json
 import multiprocessing
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # `python bench/bench_overhead.py`: the bench package next to this file
 GOAL_ECHO_ROUNDS = 1.5
+GOAL_CPU_RATIO = 2.0  # a site's CPU per step against an echo client's per round
 WARMUP = 20
+TAIL = 5  # steps (rounds) before the end where the CPU window closes, before any process ends
+WATCH_S = 0.05
+SITE_EXIT_S = 300  # a loaded machine takes long to end 32 processes that imported torch
 
 
 def tiny_workload(samples: int = 64):
@@ -102,7 +111,24 @@ def _echo_client(address: str) -> None:
     channel.close()
 
 
-async def _echo_server(n_clients: int, rounds: int) -> list[float]:
+@dataclass
+class CpuWindow:
+    """CPU seconds used between two readings by some processes and by this one, over ``steps``."""
+
+    pids: list[int]
+    steps: int = 0
+    others: float = 0.0
+    own: float = 0.0
+
+    def read(self, sign: int, step: int) -> None:
+        from bench.coordinator_process import cpu_seconds  # here: the sites import this module for its workload
+
+        self.steps += sign * step
+        self.others += sign * sum(cpu_seconds(pid) for pid in self.pids)
+        self.own += sign * cpu_seconds(os.getpid())
+
+
+async def _echo_server(n_clients: int, rounds: int) -> tuple[list[float], CpuWindow]:
     queues: list[asyncio.Queue] = []
     everyone = asyncio.Event()
 
@@ -135,8 +161,10 @@ async def _echo_server(n_clients: int, rounds: int) -> list[float]:
     for client in clients:
         client.start()
     await asyncio.wait_for(everyone.wait(), 120)
-    times = []
-    for _ in range(rounds):
+    times, window = [], CpuWindow([client.pid for client in clients])
+    for round_ in range(rounds):
+        if round_ in (WARMUP, rounds - TAIL):
+            window.read(-1 if round_ == WARMUP else 1, round_)
         start = time.perf_counter()
         for _, outbox in queues:
             outbox.put_nowait(b"x" * 16)
@@ -149,13 +177,23 @@ async def _echo_server(n_clients: int, rounds: int) -> list[float]:
         client.join(30)
         if client.exitcode != 0:  # a client not waited for would be missing from the CPU figures
             raise RuntimeError(f"an echo client ended with {client.exitcode} (None: still running after 30 s)")
-    return times[WARMUP:]
+    return times[WARMUP:], window
 
 
-def children_cpu() -> float:
-    """CPU seconds (user + system) of this process's children that have been waited for."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+def watch_steps(metrics: Path, steps: int, window: CpuWindow, done: threading.Event) -> None:
+    """Read ``window`` when the run has ``WARMUP`` steps in ``metrics`` and when it has ``steps - TAIL``."""
+    size, marks = -1, [WARMUP, steps - TAIL]
+    while marks and not done.wait(WATCH_S):
+        try:
+            if metrics.stat().st_size == size:
+                continue
+            text = metrics.read_bytes()
+        except FileNotFoundError:
+            continue
+        size, lines = len(text), text.count(b"\n")
+        if lines >= marks[0]:
+            window.read(-1 if len(marks) == 2 else 1, lines)
+            marks.pop(0)
 
 
 # ----------------------------------------------------------------------------- dadfl
@@ -185,7 +223,7 @@ def compute_seconds(n_sites: int) -> tuple[float, float]:
     return statistics.median(site_times[WARMUP:]), statistics.median(server_times[WARMUP:])
 
 
-def run_dadfl(n_sites: int, steps: int) -> list[float]:
+def run_dadfl(n_sites: int, steps: int) -> tuple[list[float], CpuWindow]:
     sys.path.insert(0, str(HERE))
     from dadfl.server.config import ServerConfig
     from dadfl.server.enrol import enroll
@@ -207,6 +245,8 @@ def run_dadfl(n_sites: int, steps: int) -> list[float]:
         )
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
         sites: list[subprocess.Popen] = []
+        window, done = CpuWindow([]), threading.Event()
+        watcher = threading.Thread(target=watch_steps, args=(folder / "run" / "metrics.jsonl", steps, window, done), daemon=True)
         tokens = {f"site-{index:03d}": enroll(folder / "tokens.json", f"site-{index:03d}") for index in range(n_sites)}  # the server checks the file at start
 
         def start_sites(endpoint: str) -> None:
@@ -222,17 +262,27 @@ def run_dadfl(n_sites: int, steps: int) -> list[float]:
                     },
                 )
                 sites.append(subprocess.Popen([sys.executable, "-m", "dadfl.client", "--config", str(toml), "--insecure"], env=env, stderr=subprocess.DEVNULL))
+            window.pids = [process.pid for process in sites]
+            watcher.start()
 
         try:
             asyncio.run(serve(config, insecure=True, on_listening=start_sites))
         finally:
+            done.set()
             for process in sites:
-                process.wait(60)
+                process.wait(SITE_EXIT_S)
         failed = [process.returncode for process in sites if process.returncode != 0]
         if failed:  # a site that crashed would still count in the CPU per site
             raise RuntimeError(f"{len(failed)} of {n_sites} site processes ended with {failed[0]}")
         records = list(read_metrics(folder / "run" / "metrics.jsonl"))
-    return [r["seconds"] for r in records[WARMUP:]]
+    if window.steps <= 0:
+        raise RuntimeError(f"the CPU window did not close: a run of {steps} steps needs more than {WARMUP + TAIL} (--steps)")
+    return [r["seconds"] for r in records[WARMUP:]], window
+
+
+def ratio(a: float, b: float) -> float:
+    """a / b; nan when b is 0 (a window too short for the CPU clock's ticks: use more --steps)."""
+    return a / b if b else float("nan")
 
 
 def main() -> None:
@@ -245,21 +295,12 @@ def main() -> None:
     torch.set_num_threads(1)
     cores = len(os.sched_getaffinity(0))
     results = []
-    longer = 3 * args.steps
     for n in args.sites:
-        echo_cpu, site_cpu = {}, {}
-        timings = {}
-        for count in (args.steps, longer):
-            before = children_cpu()
-            echo_times = asyncio.run(_echo_server(n, count))
-            echo_cpu[count] = children_cpu() - before
-            before = children_cpu()
-            step_times = run_dadfl(n, count)
-            site_cpu[count] = children_cpu() - before
-            timings[count] = (echo_times, step_times)
-        echo, step = (statistics.median(times) for times in timings[args.steps])  # the reported run: --steps
-        echo_client = (echo_cpu[longer] - echo_cpu[args.steps]) / (n * (longer - args.steps))
-        site_process = (site_cpu[longer] - site_cpu[args.steps]) / (n * (longer - args.steps))
+        echo_times, echo_cpu = asyncio.run(_echo_server(n, args.steps))
+        step_times, site_cpu = run_dadfl(n, args.steps)
+        echo, step = statistics.median(echo_times), statistics.median(step_times)
+        echo_client, echo_server = echo_cpu.others / (n * echo_cpu.steps), echo_cpu.own / (n * echo_cpu.steps)
+        site_process, coordinator = site_cpu.others / (n * site_cpu.steps), site_cpu.own / (n * site_cpu.steps)
         site, server = compute_seconds(n)
         compute = site + server
         overhead = step - compute
@@ -270,6 +311,9 @@ def main() -> None:
             "site_compute_ms": site * 1e3, "overhead_ms": overhead * 1e3, "overhead_per_echo_round": overhead / echo,
             "overhead_on_cores_ms": on_cores * 1e3, "overhead_on_cores_per_echo_round": on_cores / echo,
             "cpu_per_site_step_ms": site_process * 1e3, "cpu_per_echo_client_round_ms": echo_client * 1e3,
+            "cpu_site_per_echo_client": ratio(site_process, echo_client),
+            "coordinator_cpu_per_site_step_ms": coordinator * 1e3, "echo_server_cpu_per_client_round_ms": echo_server * 1e3,
+            "cpu_coordinator_per_echo_server": ratio(coordinator, echo_server),
             "cpu_floor_step_ms": n * site_process / max(1, min(n, cores)) * 1e3, "goal_step_ms": goal_step * 1e3,
             "goal_cpu_per_site_step_ms": goal_step * min(n, cores) / n * 1e3,
         })
@@ -280,8 +324,10 @@ def main() -> None:
             flush=True,
         )
         print(
-            f"{n:3d} sites: CPU per site process and step {site_process * 1e3:5.3f} ms (an echo client per round: "
-            f"{echo_client * 1e3:5.3f} ms) | {n} sites on {cores} cores: a step takes at least {results[-1]['cpu_floor_step_ms']:6.2f} ms "
+            f"{n:3d} sites: CPU per site process and step {site_process * 1e3:5.3f} ms, an echo client per round "
+            f"{echo_client * 1e3:5.3f} ms: {ratio(site_process, echo_client):4.1f}x (goal <= {GOAL_CPU_RATIO}x) | coordinator CPU per site and "
+            f"step {coordinator * 1e3:5.3f} ms, the echo server's per client and round {echo_server * 1e3:5.3f} ms: "
+            f"{ratio(coordinator, echo_server):4.1f}x | {n} sites on {cores} cores: a step takes at least {results[-1]['cpu_floor_step_ms']:6.2f} ms "
             f"| the goal's step {goal_step * 1e3:5.2f} ms leaves each site {results[-1]['goal_cpu_per_site_step_ms']:5.3f} ms of CPU",
             flush=True,
         )

@@ -50,24 +50,17 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))  # `python bench/bench_scale.py`: the bench package next to this file
 
 from bench.bench_overhead import tiny_workload as tiny_linear  # noqa: E402
-from bench.coordinator_process import rss_kib, start_coordinator, write_server_toml  # noqa: E402
+from bench.coordinator_process import cpu_seconds, rss_kib, start_coordinator, write_server_toml  # noqa: E402
 
 WORKLOAD = "bench_scale:tiny_workload"
 SAMPLES_PER_SITE = 16
 WARMUP = 3
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 RUN_TIMEOUT_S = 1800.0
 
 
 def tiny_workload(sites: int = 1):
     """The overhead benchmark's Linear 4 -> 2, on ``16 * sites`` random samples (every site gets 16)."""
     return tiny_linear(SAMPLES_PER_SITE * sites)
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 def site_settings(folder: Path, endpoint: str, index: int, n_sites: int, token: str) -> dict:

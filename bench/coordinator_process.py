@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -10,6 +11,7 @@ from pathlib import Path
 from dadfl.server.processes import write_toml
 
 START_TIMEOUT_S = 120.0
+CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def write_server_toml(
@@ -63,3 +65,9 @@ def rss_kib(pid: int) -> dict[str, int]:
     if len(fields) < 2:
         raise ProcessLookupError(f"process {pid} has exited")
     return fields
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (every thread) so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK

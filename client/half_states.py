@@ -22,7 +22,13 @@ into a fresh file (CRC, page allocation, and the unlink of the old one). A save 
 recycled file under a temporary name and renames it into place, so a kill leaves the old
 state or the new one, never a torn one; a file whose digest or header does not check (a
 power cut: nothing here is fsync'd) reads as lost, as does one that names another step.
-A stateless half's empty state is an empty file, one system call per step.
+A stateless half's empty state is an empty file: a dropped empty state's file renamed to the
+new step's name, so its step costs two renames (the new state in, the dropped one out).
+
+The states are saved every step, not only at the server's checkpoints: a site killed and
+restarted rejoins at the step the server is at, which it can restore only from that step's
+file (otherwise every replica resets its strategy state, which costs warm start and error
+feedback and is no longer bit-identical to an uninterrupted run).
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ class HalfStates:
         self.memory: dict[int, State] = {}
         self.on_disk: set[int] = set()  # read once: this site is the folder's only writer
         self.spares: list[Path] = []  # dropped state files, written over by the next saves
+        self.empty_spares: set[Path] = set()  # those of them known to be empty (dropped empty states)
         self.folder: Path | None = None
         if state_dir is None:
             return
@@ -89,15 +96,17 @@ class HalfStates:
         self.memory[step] = state
         if self.folder is None:
             return
-        if not state:  # a stateless half, every step: an empty file says it, in one system call
-            self._path(step).touch()
+        if not state:  # a stateless half, every step: an empty file says it
+            self._save_empty(self._path(step))
             self.on_disk.add(step)
             return
         path = self._path(step)
         tmp = path.with_name(path.name + ".tmp")
         if self.spares:
+            spare = self.spares.pop()
+            self.empty_spares.discard(spare)
             try:
-                os.replace(self.spares.pop(), tmp)
+                os.replace(spare, tmp)
             except FileNotFoundError:  # removed by hand: a new file serves as well
                 pass
         descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT, 0o600)  # no O_TRUNC: keep the spare's pages
@@ -106,6 +115,18 @@ class HalfStates:
             file.truncate()
         os.replace(tmp, path)
         self.on_disk.add(step)
+
+    def _save_empty(self, path: Path) -> None:
+        """An empty file at ``path``: a dropped empty one renamed (one system call), else a new one."""
+        if self.empty_spares:
+            spare = self.empty_spares.pop()
+            self.spares.remove(spare)
+            try:
+                os.replace(spare, path)
+                return
+            except FileNotFoundError:  # removed by hand: a new file serves as well
+                pass
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
 
     def load(self, step: int) -> State | None:
         """The state at ``step``; None when it is not saved or unreadable (the caller resets)."""
@@ -131,7 +152,7 @@ class HalfStates:
         return state
 
     def forget(self, step: int) -> None:
-        self.memory.pop(step, None)
+        empty = self.memory.pop(step, None) == {}
         if step in self.on_disk:
             self.on_disk.discard(step)
             spare = self.folder / f"{SPARE_PREFIX}{step}"
@@ -142,13 +163,19 @@ class HalfStates:
             if spare in self.spares:  # a replayed step dropped twice: its old spare was just replaced
                 self.spares.remove(spare)
             self.spares.append(spare)
+            if empty:
+                self.empty_spares.add(spare)
+            else:
+                self.empty_spares.discard(spare)
 
     def keep_only(self, steps: set[int]) -> None:
         """Drop every saved state but those of ``steps``; at most two dropped files stay as spares."""
         for step in self.steps() - steps - {0}:
             self.forget(step)
         while len(self.spares) > 2:
-            self.spares.pop(0).unlink(missing_ok=True)
+            spare = self.spares.pop(0)
+            self.empty_spares.discard(spare)
+            spare.unlink(missing_ok=True)
 
     def _path(self, step: int) -> Path:
         return self.folder / f"half-{step}.pt"

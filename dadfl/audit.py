@@ -15,10 +15,16 @@ hash ``verify`` prints, noted elsewhere (a ticket, an e-mail), anchors everythin
 
 Lines hold names, shapes, byte counts, ids and decisions — never a data value, a tensor's
 contents, a token or a key. Appends take an exclusive ``flock`` (the coordinator and the
-operator's commands write the same file) and are fsync'd before the call returns, so
-what is logged survives a crash; a file whose last line does not parse is damaged and
-nothing more is appended to it (:class:`AuditError`), as nothing should leave a site
-that its trail cannot record.
+operator's commands write the same file) and are on disk before the call returns
+(``fdatasync``: the line and the file's new length), so what is logged survives a crash;
+a file whose last line does not parse is damaged and nothing more is appended to it
+(:class:`AuditError`), as nothing should leave a site that its trail cannot record.
+
+A site appends one line per upload, so an append must cost little beside a step: the log
+remembers the chain's end it wrote last, with the file's identity, length and change time
+as it left them, and reads the file's tail again only when any of those differs (another
+writer appended, the file was cut or replaced). The tail is read from the end in growing
+pieces until it holds a whole last line.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from pathlib import Path
 FILE = "audit.jsonl"
 GENESIS = "0" * 64
 TAIL_BYTES = 1 << 20  # the last line is found in this much of the file's end
+FIRST_TAIL_BYTES = 1 << 12  # the first piece of the tail read: a line is a few hundred bytes
 ROLES = {"A": "activations", "D": "deltas", "grad": "gradients", "P": "factors", "Q": "factors", "buffer": "buffers"}
 
 
@@ -50,23 +57,33 @@ def line_hash(record: dict) -> str:
 
 
 class AuditLog:
-    """One party's audit file; :meth:`append` adds one chained, fsync'd line."""
+    """One party's audit file; :meth:`append` adds one chained line, on disk before it returns."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        self._folder_made = False
+        # (file identity, length, change time) as the last append left it, and its chain's end
+        self._end: tuple[tuple[int, int, int, int], str, int] | None = None
 
     def append(self, event: str, **fields) -> dict:
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if not self._folder_made:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._folder_made = True
             with open(self.path, "a+b") as file:
                 fcntl.flock(file, fcntl.LOCK_EX)
-                prev, seq = self._tail(file)
+                if self._end is not None and self._end[0] == _identity(file):
+                    prev, seq = self._end[1], self._end[2]
+                else:
+                    prev, seq = self._tail(file)
                 record = {"seq": seq, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "event": event, **fields, "prev": prev}
                 record["hash"] = line_hash(record)
                 file.write(canonical(record) + b"\n")
                 file.flush()
-                os.fsync(file.fileno())
+                _sync(file.fileno())
+                self._end = (_identity(file), record["hash"], seq + 1)
         except OSError as exc:
+            self._end = None
             raise AuditError(f"the audit file {self.path} cannot be written ({exc.strerror or type(exc).__name__})") from None
         return record
 
@@ -75,15 +92,32 @@ class AuditLog:
         size = file.seek(0, os.SEEK_END)
         if size == 0:
             return GENESIS, 0
-        file.seek(max(0, size - TAIL_BYTES))
-        tail = file.read()
-        if not tail.endswith(b"\n"):
-            raise AuditError(f"the audit file {self.path} ends in a cut line; `dadfl audit verify {self.path}` says where, archive it and start a new one")
+        piece = FIRST_TAIL_BYTES
+        while True:  # from the end, in growing pieces, until the piece holds a whole last line
+            start = max(0, size - piece)
+            file.seek(start)
+            tail = file.read()
+            if not tail.endswith(b"\n"):
+                raise AuditError(f"the audit file {self.path} ends in a cut line; `dadfl audit verify {self.path}` says where, archive it and start a new one")
+            if start == 0 or b"\n" in tail[:-1] or piece >= TAIL_BYTES:
+                break
+            piece *= 4
         try:
             last = json.loads(tail[:-1].rsplit(b"\n", 1)[-1])
             return last["hash"], last["seq"] + 1
         except (ValueError, KeyError, TypeError):
             raise AuditError(f"the last line of the audit file {self.path} is not an audit record; run `dadfl audit verify {self.path}`") from None
+
+
+def _identity(file) -> tuple[int, int, int, int]:
+    """What changes when anyone else writes, cuts or replaces the file: device, inode, length, change time."""
+    status = os.fstat(file.fileno())
+    return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns
+
+
+# fdatasync puts the appended bytes and the length that makes them readable on disk, as fsync
+# does, without the timestamps' write; systems without it (macOS) use fsync.
+_sync = getattr(os, "fdatasync", os.fsync)
 
 
 def payload_entry(payload) -> dict:

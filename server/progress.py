@@ -31,6 +31,9 @@ log = logging.getLogger("dadfl.server")
 console = Console(stderr=True)
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 STATUS_FILE = "status.json"  # what `dadfl status` reads: phase, step, sites joined of needed, the server's pid
+# While training, status.json is rewritten at most this often (and at evaluation steps and the
+# last step): a file replaced every step cost more than a small step's coordination per site.
+STATUS_EVERY_S = 1.0
 
 
 def write_status(run_dir: Path, **status) -> None:
@@ -78,6 +81,7 @@ class OperatorView:
         self.latest_eval: dict = {}
         self.last_wait: tuple[int, int] | None = None
         self.last_line = -math.inf  # the first step always logs
+        self.last_status = -math.inf  # when status.json last said "training"
         self.bar: Progress | None = None
         if console.is_terminal:
             # step 12345 12346/100000 ━━━━━━━━━━ 0:00:00 loss 0.1234 accuracy 0.1234: 76 columns
@@ -113,6 +117,7 @@ class OperatorView:
             self.bar.update(self.task, description=f"waiting: {joined}/{needed} sites")
         if (joined, needed) != self.last_wait:
             self.last_wait = (joined, needed)
+            self.last_status = -math.inf  # the step after a wait says "training" at once
             log.info("waiting for sites: %d of the %d needed are connected", joined, needed)
             self.status("waiting for sites", joined=joined, needed=needed)
 
@@ -131,16 +136,18 @@ class OperatorView:
         step = record["step"]
         self.last_wait = None  # a later wait is logged again
         self.next_step = step + 1
-        self.status("training", sites=record.get("sites"))
         evaluated = any(key.startswith(("eval_", "test_")) for key in record)
+        last = step + 1 == self.steps
+        now = time.monotonic()
+        if evaluated or last or now - self.last_status >= STATUS_EVERY_S:
+            self.last_status = now
+            self.status("training", sites=record.get("sites"))
         if evaluated:
             self.latest_eval = {k: v for k, v in record.items() if k.startswith(("eval_", "test_"))} | {"step": step}
         text = progress_text(record, self.metric_name, self.latest_eval)
-        last = step + 1 == self.steps
         if self.bar is not None:
             live = live_text(record, self.metric_name, self.latest_eval)
             self.bar.update(self.task, completed=step + 1, description=live, label=f"step {step}")
-        now = time.monotonic()
         if evaluated or last or (self.bar is None and now - self.last_line >= self.every_s):
             self.last_line = now
             log.info("step %d (%d/%d done): %s", step, step + 1, self.steps, text)

@@ -154,10 +154,32 @@ def sq_norm(x: Terms) -> float:
 
 
 def gram(sites: Sequence[Terms]) -> torch.Tensor:
-    """The S × S float64 matrix of ⟨g_i, g_j⟩, each pair computed once."""
+    """The S × S float64 matrix of ⟨g_i, g_j⟩, each pair computed once.
+
+    Per parameter, the dense terms of every site (when they have one size) are summed per site
+    and multiplied as one matrix, Y Yᵀ with Y (S × size): one product instead of a Python call
+    per pair (with 32 sites, 528 pairs per parameter); ⟨Σa, Σb⟩ = Σ⟨a, b⟩, in float64 in
+    another summation order. Every other pair of terms goes through :func:`inner`."""
     S = len(sites)
     G = torch.zeros(S, S, dtype=torch.float64)
-    for i in range(S):
-        for j in range(i, S):
-            G[i, j] = G[j, i] = terms_inner(sites[i], sites[j])
+    for name in sorted(set().union(*(terms.keys() for terms in sites))):
+        held = [(i, sites[i][name]) for i in range(S) if name in sites[i]]
+        dense = [(i, t) for i, terms in held for t in terms if isinstance(t, Dense)]
+        if len({t.tensor.numel() for _, t in dense}) == 1:
+            rows = torch.stack([t.tensor.double().reshape(-1) * t.weight for _, t in dense])
+            index = torch.tensor([i for i, _ in dense])
+            per_site = rows.new_zeros(S, rows.shape[1]).index_add_(0, index, rows)
+            product = per_site @ per_site.T
+            G += product.triu() + product.triu(1).T  # each pair once, as the pairwise rule: symmetric to the bit
+            stacked = {id(t) for _, t in dense}
+        else:
+            stacked = set()
+        if len(stacked) == sum(len(terms) for _, terms in held):
+            continue  # every term of it was in the product
+        for a_at, (i, x) in enumerate(held):
+            for j, y in held[a_at:]:
+                value = math.fsum(inner(a, b) for a in x for b in y if not (id(a) in stacked and id(b) in stacked))
+                G[i, j] += value
+                if i != j:
+                    G[j, i] += value
     return G

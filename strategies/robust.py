@@ -78,7 +78,8 @@ def robust_weights(G: torch.Tensor, clip_ratio: float | None = DEFAULT_CLIP_RATI
     S = G.shape[0]
     if not bool(torch.isfinite(G).all()):
         raise ValueError("the sites' Gram matrix is not finite")
-    norms = [math.sqrt(max(float(G[i, i]), 0.0)) for i in range(S)]
+    inner = G.tolist()  # Python floats: the loops below read every entry, some many times
+    norms = [math.sqrt(max(inner[i][i], 0.0)) for i in range(S)]
     clip = [1.0] * S
     if clip_ratio and S >= 2:
         for i, reference in enumerate(medians_of_the_others(norms)):
@@ -89,7 +90,7 @@ def robust_weights(G: torch.Tensor, clip_ratio: float | None = DEFAULT_CLIP_RATI
         remaining = [i for i in range(S) if norms[i]]  # a site that adds nothing pushes nowhere
         while len(remaining) >= 3:
             agreement_of = {
-                i: statistics.median(float(G[i, j]) / (norms[i] * norms[j]) for j in remaining if j != i) for i in remaining
+                i: statistics.median(inner[i][j] / (norms[i] * norms[j]) for j in remaining if j != i) for i in remaining
             }
             worst = min(remaining, key=lambda i: (agreement_of[i], i))
             if agreement_of[worst] > 0.0:

@@ -32,6 +32,24 @@ def test_a_changed_removed_or_cut_line_breaks_the_chain(tmp_path):
         log.append("upload", step=4)  # nothing more is added to a damaged trail
 
 
+def test_appends_from_two_writers_and_after_an_archived_file_keep_one_chain_each(tmp_path):
+    """The log remembers the chain's end it wrote last: another writer's lines (the coordinator
+    and an operator's command share a file), a long line and a file archived and started anew
+    must each be noticed, never chained over."""
+    path = tmp_path / "audit.jsonl"
+    coordinator, operator = AuditLog(path), AuditLog(path)
+    coordinator.append("run", action="started")
+    operator.append("operator", command="stop", note="x" * 20_000)  # longer than the first piece of tail read
+    coordinator.append("run", action="stopped")
+    operator.append("operator", command="status")
+    checked = verify(path)
+    assert checked.broken is None and [r["event"] for r in checked.records] == ["run", "operator", "run", "operator"]
+    path.rename(tmp_path / "archived.jsonl")
+    coordinator.append("run", action="started")
+    assert [r["seq"] for r in verify(path).records] == [0] and verify(path).broken is None
+    assert verify(tmp_path / "archived.jsonl").lines == 4
+
+
 @pytest.mark.network
 def test_audit_verify_command_prints_the_summary_and_finds_a_tampered_line(tmp_path):
     path = tmp_path / "audit.jsonl"

@@ -197,3 +197,33 @@ def test_site_states_survive_replays_and_restarts_in_any_order(tmp_path, seed):
         for kept in states.steps() - {0}:
             assert torch.equal(states.load(kept)["error/w"], torch.full((2,), float(kept)))
     assert len(list(states.folder.iterdir())) <= 5, "three states and two spares at most"
+
+
+def test_empty_states_are_renamed_files_and_never_take_a_stateful_states_bytes(tmp_path):
+    """A stateless half's saves rename the dropped empty file into place (same inode, no new
+    file); a stateful state after them, and an empty one after a stateful one, read back as saved."""
+    from dadfl.client.half_states import HalfStates
+
+    cpu = torch.device("cpu")
+    states = HalfStates(tmp_path, "site-a", "run1", cpu)
+    inodes = set()
+    for step in range(1, 10):
+        states.save(step, {})
+        states.keep_only({step - 1, step})
+        inodes.add((states.folder / f"half-{step}.pt").stat().st_ino)
+    assert len(inodes) <= 3, "after the first steps an empty state is a renamed file"
+    states.save(10, {"error/w": torch.full((3,), 10.0)})  # e.g. a reset to a stateful half
+    states.keep_only({9, 10})
+    states.save(11, {})
+    states.keep_only({10, 11})
+    states.save(12, {})
+    states.keep_only({11, 12})
+    again = HalfStates(tmp_path, "site-a", "run1", cpu)  # a restarted site process
+    assert again.steps() == {0, 11, 12} and again.load(11) == {} and again.load(12) == {}
+    assert (again.folder / "half-12.pt").stat().st_size == 0
+    again.save(13, {"error/w": torch.full((3,), 13.0)})
+    again.keep_only({12, 13})
+    again.save(14, {})
+    again.keep_only({13, 14})
+    assert torch.equal(HalfStates(tmp_path, "site-a", "run1", cpu).load(13)["error/w"], torch.full((3,), 13.0))
+    assert HalfStates(tmp_path, "site-a", "run1", cpu).load(14) == {}

@@ -125,6 +125,26 @@ def test_norm_is_the_inner_product_with_itself_and_unpaired_forms_say_so():
         inner(Dense(dense), LowRank(P, Q))
 
 
+def test_gram_in_one_product_per_parameter_equals_the_pairwise_inner_products():
+    """Dense terms go through one matrix product per parameter; weights, a parameter some site
+    lacks, two dense terms of one site and factors beside them give each pair's ⟨g_i, g_j⟩ as the pairwise rule does, and a pair without a rule still says so."""
+    from dadfl.strategies.gram import Factors, terms_inner
+
+    g = torch.Generator().manual_seed(1)
+    rand = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    sites = [
+        {"w": [Dense(rand(2, 4), 0.25)], "b": [Dense(rand(2)), Dense(rand(2), 0.5)],
+         "f": [Factors(rand(1, 5, 3), rand(1, 5, 2), 0.5), Dense(rand(2, 3), 2.0)]}
+        for i in range(5)
+    ]
+    del sites[1]["b"]
+    G = gram(sites)
+    expected = torch.tensor([[terms_inner(x, y) for y in sites] for x in sites], dtype=torch.float64)
+    assert torch.allclose(G, expected, rtol=1e-12, atol=0.0) and torch.equal(G, G.T)
+    with pytest.raises(UnpairedForms, match="LowRank"):
+        gram([{"w": [Dense(rand(5, 4))]}, {"w": [LowRank(rand(1, 5, 2), rand(1, 4, 2))]}])
+
+
 def gram_of(vectors) -> torch.Tensor:
     V = torch.tensor(vectors, dtype=torch.float64)
     return V @ V.T
