@@ -7,7 +7,7 @@ size come from the heap, where a freed block stays resident until everything abo
 too. A coordinator or a site handles every model-sized message as 1 MiB chunks and
 per-parameter tensors of every size, so the heap fills with such holes: the peak resident set
 of a site of the 100M-parameter setting measured 1.3 GB higher with the moving threshold
-than with a fixed one (``bench/bench_large.py``, docs/runtime.md).
+than with a fixed one (``bench/bench_large.py``, docs/benchmarks-runtime.md).
 
 ``return_freed_memory`` fixes the threshold at 1 MiB: temporaries below it (the canonical
 step's 128 KiB chunks) stay on the heap with no system call each, everything larger is mapped
