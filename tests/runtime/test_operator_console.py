@@ -16,6 +16,8 @@ import torch
 from dadfl.audit import verify
 from dadfl.client.site import GaveUp
 from dadfl.metrics import read_metrics, write_summary
+from dadfl.protos.state_file import verify as verify_state_file
+from dadfl.server import checkpoint
 from dadfl.server.coordinator import StoppedByOperator
 from dadfl.server.enrol import enroll
 from dadfl.server.runtime import serve
@@ -177,7 +179,8 @@ def test_a_stop_mid_run_checkpoints_the_committed_steps_and_tells_the_sites(tmp_
     assert len(errors) == 1 and isinstance(errors[0], StoppedByOperator), errors
     committed = len(list_steps(config.run_dir))
     assert f"after {committed} of 100000 steps; checkpoint at step {committed} in" in str(errors[0])
-    assert torch.load(config.run_dir / "checkpoint.pt", weights_only=False)["next_step"] == committed
+    with (config.run_dir / checkpoint.CHECKPOINT).open("rb") as file:
+        assert json.loads(verify_state_file(file, checkpoint.MAGIC)[0])["next_step"] == committed
     for site in sites:  # told why, then gave up within their bound: no coordinator any more
         with pytest.raises(GaveUp, match="gave up after 1 s"):
             site.join(60)
