@@ -11,7 +11,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 from dadfl.audit import verify
 from dadfl.client.site import GaveUp
