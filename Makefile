@@ -20,11 +20,11 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(BIN)/dadfl sim
 
-# One worker per core; each test file runs whole on one worker (--dist loadfile), in collection
-# order (xdist's own order puts the files with the most tests first), where tests/conftest.py
-# puts the files holding slow tests first.
+# One worker per core; tests go to whichever worker is free, in collection order (xdist's own
+# order puts the largest groups first), except those sharing a module- or class-scoped fixture,
+# which stay on one worker (tests/conftest.py marks them, and puts the slow tests' files first).
 test: setup
-	FLWR_TELEMETRY_ENABLED=0 $(BIN)/pytest -q -n auto --dist loadfile --no-loadscope-reorder
+	FLWR_TELEMETRY_ENABLED=0 $(BIN)/pytest -q -n auto --dist loadgroup --no-loadscope-reorder
 
 bench: setup
 	$(BIN)/python -m bench.run

@@ -152,7 +152,7 @@ class HalfStates:
         return state
 
     def forget(self, step: int) -> None:
-        empty = self.memory.pop(step, None) == {}
+        self.memory.pop(step, None)
         if step in self.on_disk:
             self.on_disk.discard(step)
             spare = self.folder / f"{SPARE_PREFIX}{step}"
@@ -163,7 +163,7 @@ class HalfStates:
             if spare in self.spares:  # a replayed step dropped twice: its old spare was just replaced
                 self.spares.remove(spare)
             self.spares.append(spare)
-            if empty:
+            if not spare.stat().st_size:  # an empty state's file (older states are on disk only)
                 self.empty_spares.add(spare)
             else:
                 self.empty_spares.discard(spare)
