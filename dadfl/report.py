@@ -7,13 +7,18 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-import matplotlib
+from .metrics import human_bytes, read_metrics  # noqa: F401 (human_bytes: the tables' import)
 
-matplotlib.use("Agg")  # files only; no display on sites or CI
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 
-from .metrics import human_bytes, read_metrics  # noqa: E402, F401 (human_bytes: the tables' import)
+def pyplot():
+    """matplotlib's pyplot drawing to files only (no display on sites or CI), imported on the
+    first plot: every ``dadfl`` process imports this module, few of them plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def by_strategy(path: Path) -> dict[str, list[dict]]:
@@ -36,6 +41,8 @@ def style(index: int, points: int) -> dict:
 def bytes_axis(axis) -> None:
     """A log-scale bytes axis labelled "10 KB", "1.0 MB": ticks at 1, 2, 5 × 10^k over a span
     of under two decades, else at the powers of ten (at most 8); minor ticks unlabelled."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # pyplot() was imported first
+
     axis.set_xscale("log")
     low, high = axis.get_xlim()
     decades = math.log10(high / low) if low > 0 and high > low else 1.0
@@ -60,7 +67,7 @@ def write_plots(run_dir: Path) -> list[Path]:
     runs = by_strategy(run_dir / "metrics.jsonl")
     written = []
 
-    figure, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
+    figure, (by_step, by_bytes) = pyplot().subplots(1, 2, figsize=(12, 4.5))
     for index, (label, records) in enumerate(runs.items()):
         steps = [r["step"] for r in records]
         losses = [r["train_loss"] for r in records]
@@ -75,7 +82,7 @@ def write_plots(run_dir: Path) -> list[Path]:
     figure.tight_layout()
     written.append(run_dir / "loss.png")
     figure.savefig(written[-1], dpi=110)
-    plt.close(figure)
+    pyplot().close(figure)
 
     held_out = _held_out_plot(runs, run_dir / "eval.png")
     if held_out:
@@ -130,7 +137,7 @@ def _rank_plot(label: str, records: list[dict], path: Path) -> Path | None:
         return None
     columns = min(3, len(layers))
     rows = -(-len(layers) // columns)
-    figure, axes = plt.subplots(rows, columns, figsize=(4.5 * columns, 3.4 * rows), squeeze=False)
+    figure, axes = pyplot().subplots(rows, columns, figsize=(4.5 * columns, 3.4 * rows), squeeze=False)
     for axis, layer in zip(axes.flat, layers):
         sites = sorted({key.rsplit("/", 1)[1] for r in records for key in r if key.startswith(f"rank90/{layer}/site")})
         for index, site in enumerate(sites):
@@ -152,7 +159,7 @@ def _rank_plot(label: str, records: list[dict], path: Path) -> Path | None:
                     f"(over {RANK_POINTS} readings: a rolling median)")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
-    plt.close(figure)
+    pyplot().close(figure)
     return path
 
 
@@ -163,7 +170,7 @@ def _held_out_plot(runs: dict[str, list[dict]], path: Path) -> Path | None:
                     if key.startswith(("eval_", "test_")) and key not in ("eval_samples", "eval_sites", "eval_by_site")})
     if not names:
         return None
-    figure, axes = plt.subplots(len(names), 2, figsize=(12, 4 * len(names)), squeeze=False)
+    figure, axes = pyplot().subplots(len(names), 2, figsize=(12, 4 * len(names)), squeeze=False)
     for row, name in enumerate(names):
         by_step, by_bytes = axes[row]
         curve = 0
@@ -195,5 +202,5 @@ def _held_out_plot(runs: dict[str, list[dict]], path: Path) -> Path | None:
         by_step.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
-    plt.close(figure)
+    pyplot().close(figure)
     return path

@@ -79,6 +79,7 @@ from typing import NoReturn
 import grpc
 
 from dadfl.metrics import MetricsWriter, is_eval_step, read_metrics, run_summary, write_summary
+from dadfl.report import write_plots
 from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.protos import tensor_pb2 as pb
 from dadfl.protos.codec import encode_chunks
@@ -486,7 +487,6 @@ class StepLoop:
 
     def _write_report(self) -> None:
         """``summary.json`` and the plots of ``dadfl sim``, from this run's metrics."""
-        from dadfl.report import write_plots  # matplotlib: imported only when there is a run to plot
         records = list(read_metrics(self.run_dir / "metrics.jsonl"))
         if not records:
             return

@@ -40,6 +40,7 @@ from dadfl.metrics import MetricsWriter, is_eval_step, run_summary, write_summar
 from dadfl.model_identity import identity_text
 from dadfl.protos.state import state_payload
 from dadfl.records import StepRecord
+from dadfl.report import write_plots
 from dadfl.replica import Replica, resolve_device
 from dadfl.sanitize import one_line
 from dadfl.simulation import Progress, SimulationConfig, StrategySpec, run_directory
@@ -341,8 +342,6 @@ def make_server_app() -> ServerApp:
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        from dadfl.report import write_plots  # matplotlib: only the ServerApp needs it
-
         settings, out, bounds = settings_from_run_config(dict(context.run_config))
         run_dir = run_directory(out, f"flower-{context.run_id}")
         (run_dir / "config.json").write_text(json.dumps(settings.config.model_dump(mode="json"), indent=2))
