@@ -23,6 +23,7 @@ import time
 from typing import NoReturn
 
 import grpc
+from grpc._cython.cygrpc import ExecuteBatchError  # what grpc.aio raises when a batch on a call fails; not re-exported
 from google.protobuf.message import DecodeError
 
 from dadfl.protos import coordinator_pb2 as cpb
@@ -121,9 +122,7 @@ class SiteStreams:
             pass
         try:
             await context.abort(code, reason)
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:  # gRPC's ExecuteBatchError: the site ended its call before the status went out
+        except ExecuteBatchError as exc:  # the site ended its call before the status went out
             raise SiteEndedCall from exc
 
     @staticmethod
