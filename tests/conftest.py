@@ -17,6 +17,8 @@ SHARED_SCOPES = {"module", "class", "package"}
 def pytest_collection_modifyitems(config, items):
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow_files)  # a stable sort: each file's own order stays
+    if not config.pluginmanager.hasplugin("xdist"):  # one process: nothing to keep together
+        return
     for item in items:
         fixtures = getattr(item, "_fixtureinfo", None)
         definitions = fixtures.name2fixturedefs.values() if fixtures is not None else ()
