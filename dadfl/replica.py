@@ -11,6 +11,7 @@ CPU, a BLAS build, a GPU) agree too.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
@@ -36,9 +37,32 @@ class OptimizerConfig(StrictModel):
     weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
 
     def build(self, params) -> torch.optim.Optimizer:
+        _call_optimizer_methods_directly()
         if self.name == "sgd":
             return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
         return torch.optim.Adam(params, lr=self.lr, weight_decay=self.weight_decay)
+
+
+def _call_optimizer_methods_directly() -> None:
+    """Let ``torch.optim.Optimizer``'s bookkeeping methods run without importing torch's compiler.
+
+    torch wraps ``add_param_group``, ``state_dict``, ``load_state_dict`` and ``zero_grad`` so
+    that its compiler never traces them, and the wrapper imports the compiler
+    (``torch._dynamo``: about 1.4 s of CPU, as much as importing torch) the first time one is
+    called — in every site and coordinator process, when it builds its optimizer. A replica's
+    SGD and Adam step in ``canonical_step``, never compiled, so while the compiler is not
+    loaded the wrappers are told (by the attribute they cache their result in) to call the
+    methods as they are. Once anything has loaded the compiler, torch's wrappers stay as they
+    are; on a torch whose wrappers look otherwise this does nothing.
+    """
+    if "torch._dynamo" in sys.modules:
+        return
+    for name in ("add_param_group", "state_dict", "load_state_dict", "zero_grad"):
+        method = getattr(torch.optim.Optimizer, name, None)
+        wrapped = getattr(method, "__wrapped__", None)
+        code = getattr(method, "__code__", None)
+        if wrapped is not None and code is not None and code.co_filename.endswith("_compile.py"):
+            wrapped.__dynamo_disable = wrapped
 
 
 def resolve_device(device: str) -> torch.device:
