@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from sklearn.datasets import load_breast_cancer
 from torch import nn
 
 from .base import Split, Workload
-from .common import check_positive, classification, stratified_split, two_hidden_mlp
+from .common import check_positive, classification, scikit_learn_table, stratified_split, two_hidden_mlp
 
 NUM_CLASSES = 2
 
@@ -20,8 +19,8 @@ NUM_CLASSES = 2
 def mlp(hidden: int = 32, seed: int = 0, test_fraction: float = 0.25) -> Workload:
     """Two hidden ReLU layers on the standardised feature vector."""
     check_positive(hidden=hidden)
-    table = load_breast_cancer()
-    train_x, test_x, train_y, test_y = stratified_split(table.data, table.target, test_fraction, seed)
+    features, labels = scikit_learn_table("breast_cancer")
+    train_x, test_x, train_y, test_y = stratified_split(features, labels, test_fraction, seed)
     mean, std = train_x.mean(axis=0), train_x.std(axis=0)
 
     def standardise(features: np.ndarray) -> torch.Tensor:

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from sklearn.datasets import load_digits
 from torch import nn
 
 from .base import Split, Workload
-from .common import check_positive, classification, stratified_split, two_hidden_mlp
+from .common import check_positive, classification, scikit_learn_table, stratified_split, two_hidden_mlp
 
 NUM_CLASSES = 10
 IMAGE_SIDE = 8
@@ -21,9 +20,9 @@ IMAGE_SIDE = 8
 
 def _splits(seed: int, test_fraction: float) -> tuple[Split, Split]:
     """Pixels scaled to [0, 1] as flat 64-vectors, split stratified by digit."""
-    digits = load_digits()
-    pixels = (digits.data / 16.0).astype(np.float32)
-    train_x, test_x, train_y, test_y = stratified_split(pixels, digits.target, test_fraction, seed)
+    pixels, labels = scikit_learn_table("digits")
+    pixels = (pixels / 16.0).astype(np.float32)
+    train_x, test_x, train_y, test_y = stratified_split(pixels, labels, test_fraction, seed)
     return (
         Split(torch.from_numpy(train_x), torch.from_numpy(train_y).long()),
         Split(torch.from_numpy(test_x), torch.from_numpy(test_y).long()),

@@ -1,10 +1,14 @@
 """The built-in workloads: loading, deterministic replicas, losses, trainability, model shapes."""
 
+import math
+
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from dadfl.workloads import BUILTIN, LARGE, Split, Workload, load_workload
+from dadfl.workloads.common import scikit_learn_table, stratified_split
 from dadfl.workloads.text import LinearGRUCell, vocabulary
 
 
@@ -93,6 +97,44 @@ def test_digits_pixels_are_scaled_and_the_split_is_stratified(workloads):
     train_share = torch.bincount(workload.train.targets, minlength=10) / len(workload.train)
     test_share = torch.bincount(workload.test.targets, minlength=10) / len(workload.test)
     assert torch.allclose(train_share, test_share, atol=0.01)
+
+
+@pytest.mark.parametrize("name", ["digits", "breast_cancer"])
+def test_bundled_tables_are_scikit_learns_arrays_read_without_importing_it(name):
+    from sklearn import datasets
+
+    features, labels = scikit_learn_table(name)
+    reference = getattr(datasets, f"load_{name}")()
+    assert features.dtype == reference.data.dtype and labels.dtype == reference.target.dtype
+    assert np.array_equal(features, reference.data) and np.array_equal(labels, reference.target)
+
+
+LABELS = {  # real labels, and classes of sizes whose shares tie (the draw that breaks the tie)
+    "digits": scikit_learn_table("digits")[1],
+    "breast_cancer": scikit_learn_table("breast_cancer")[1],
+    "ties": np.repeat(np.arange(6), [2, 3, 3, 7, 7, 10]),
+}
+
+
+@pytest.mark.parametrize("labels", LABELS, ids=str)
+def test_the_stratified_split_is_scikit_learns_index_for_index(labels):
+    """Splits (so results) made with scikit-learn's train_test_split stay as they were."""
+    from sklearn.model_selection import train_test_split
+
+    classes = LABELS[labels]
+    rows = np.arange(len(classes))
+    for seed in range(4):
+        for fraction in (0.1, 0.25, 0.3, 0.5):
+            if min(math.ceil(fraction * len(classes)), len(classes) - math.ceil(fraction * len(classes))) < len(set(classes)):
+                continue  # too few rows in a part for every class: both refuse
+            ours = stratified_split(rows, classes, fraction, seed)
+            theirs = train_test_split(rows, classes, test_size=fraction, random_state=seed, stratify=classes)
+            assert all(np.array_equal(a, b) for a, b in zip(ours, theirs, strict=True)), (labels, seed, fraction)
+
+
+def test_a_stratified_split_refuses_a_class_of_one_row():
+    with pytest.raises(ValueError, match="class 3 has 1 row"):
+        stratified_split(np.arange(7), np.array([0, 0, 1, 1, 2, 2, 3]), 0.5, 0)
 
 
 def test_digits_cnn_sees_images_through_a_strided_and_a_grouped_conv(workloads):
