@@ -43,9 +43,10 @@ could move a whole site's weight, a sensitivity the noise is not calibrated for 
 coordinator turns the rule off with ``[dp]``; per-sample clipping bounds each site there).
 
 Tuning: ``clip_ratio`` (c) trades how much one site can move the model (c honest
-contributions) against how often honest sites are clipped; ``agreement_margin`` (β) how far
-a site may push back each step against how often an honest site with a noisy gradient is
-zeroed (smaller batches, more heterogeneous data: raise it). ``docs/robustness.md`` has the
+contributions) against how often honest sites are clipped; ``agreement_margin`` (β, the
+argument of :func:`robust_weights`; the runtimes use the default, not yet a configuration
+option) how far a site may push back each step against how often an honest site with a noisy
+gradient is zeroed (smaller batches, more heterogeneous data: raise it). ``docs/robustness.md`` has the
 measurements behind both defaults. Non-finite entries of G are the checks' business
 (``influence_outliers`` refuses non-finite norms before this runs); here they raise.
 """
