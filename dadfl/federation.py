@@ -36,8 +36,8 @@ class FederationConfig(StrictModel):
         "multiple of the median of the other sites' norms before aggregating (docs/robustness.md); 0: no clipping"
     )
     agreement: bool = Field(
-        True, description="bounded influence, 3 or more sites: a site whose median cosine with the other sites' updates "
-        "is <= 0 gets weight 0 for the step (docs/robustness.md)"
+        True, description="bounded influence, 3 or more sites: a site that pushes the model back along the other sites' "
+        "summed update by more than 0.25x their median norm gets weight 0 for the step (docs/robustness.md)"
     )
     quarantine_after: int = Field(
         3, ge=1, description="refused uploads after which a site is quarantined for the run (run_dir/quarantine.json; "

@@ -156,8 +156,8 @@ class Strategy:
     # phases: the most upload phases one step takes (PowerSGD: P, then Q).
     phases: ClassVar[int] = 1
     # Whether honest sites' uploads point the same way, so that the robust rule may weigh
-    # sites by their cosines (``robust.py``); False where the strategy's uploads carry
-    # per-site memories that pull apart by construction.
+    # sites by their agreement with the others (``robust.py``); False where the strategy's
+    # uploads carry per-site memories that pull apart by construction.
     uploads_agree = True
 
     def site(self, layout: Layout, model: nn.Module | None = None) -> SiteHalf:  # pragma: no cover

@@ -459,8 +459,9 @@ class PowerSGD(Strategy):
     @property
     def uploads_agree(self) -> bool:
         """Not with error feedback: each P_s, Q_s carries its site's memory e_s = M_s − P̂ Qᵀ,
-        and those memories pull apart by construction (digits-mlp, 4 honest sites: the median
-        cosine of a site's P_s with the others' was ≤ 0 at 67% of (site, step) pairs)."""
+        and those memories pull apart by construction (M_s − M̄ is a random walk of the site's
+        gradient noise that cancels only in the sum over sites), so an honest site pushes back
+        against the others' sum as far as an attacker does (docs/robustness.md)."""
         return not self.use_error_feedback
 
     # P_s in phase 0, Q_s in phase 1: the update P̂ Qᵀ is linear in each site's Q_s.

@@ -15,34 +15,45 @@ samples of the sites of nonzero weight.
    the median is a majority's: an attacker can neither raise its own bound nor shrink an
    honest site's. With 2 it can shrink the other's (by sending a tiny update), never
    enlarge its own: the price of having no majority.
-2. **Agree** (3 or more sites): a site whose median cosine with the other sites,
-   G_ij / √(G_ii G_jj), is ≤ 0 pushes against the majority and gets weight 0; greedily,
-   the most disagreeing first, the cosines then recomputed among the sites left, while 3
-   or more are left (a site pulled down by the attacker's cosine alone recovers once the
-   attacker is out). This is FLTrust's trust score (Cao et al., NDSS 2021: weight ReLU(cos)
-   against a reference direction) with the majority as reference (no server data) and a
-   step instead of a ramp, so that a site agreeing with the majority keeps factor 1 and the
-   update stays bit-identical to plain averaging. Cosines do not change under clipping.
-   With 2 sites there is no majority: the rule is off. A site of weight 0 leaves the
-   step's aggregate (``Screening.weigh``): the others' mean is not diluted by it.
+2. **Agree** (3 or more sites): with u_i the direction of the sum of the *other* sites'
+   clipped updates, a site that pushes the model back along it by more than β times the
+   median of the others' norms,
 
-s_i = a_i · w_i. A clean step (every site within c× the others' median, every median cosine
-positive) gives every site 1: the coordinator then aggregates the uploads untouched.
+       ⟨a_i g_i, u_i⟩ ≤ −β · m_i,       β = ``agreement_margin``,
+
+   gets weight 0; greedily, the one pushing back furthest (relative to its m_i) first, the
+   directions then recomputed among the sites left, while 3 or more are left (a site pulled
+   below the bound by the attacker's share of u_i alone recovers once the attacker is out).
+   This is FLTrust's trust score (Cao et al., NDSS 2021: weight ReLU(cos) against a reference
+   direction) with the other sites' sum as reference (no server data), measured as a length
+   rather than a cosine and with a margin below 0: an honest minibatch gradient now and then
+   points slightly against the others' mean, which costs little, while a site sent against
+   the others at the clip bound pushes back by up to c · m_i. A site within the margin keeps
+   factor 1, so the update stays bit-identical to plain averaging; a site kept pushes back
+   by less than β · m_i, the most an attacker that evades the rule moves the model back a
+   step. With 2 sites there is no majority: the rule is off.
+   A site of weight 0 leaves the step's aggregate (``Screening.weigh``): the others' mean
+   is not diluted by it.
+
+s_i = a_i · w_i. A clean step (every site within c× the others' median, none pushing back
+past the margin) gives every site 1: the coordinator then aggregates the uploads untouched.
 
 Not under differential privacy: the factors depend on every site's data, so one record
 could move a whole site's weight, a sensitivity the noise is not calibrated for (the
 coordinator turns the rule off with ``[dp]``; per-sample clipping bounds each site there).
 
 Tuning: ``clip_ratio`` (c) trades how much one site can move the model (c honest
-contributions) against how often honest sites are clipped; ``docs/robustness.md`` has the
-measurements behind the default. Non-finite entries of G are the checks' business
+contributions) against how often honest sites are clipped; ``agreement_margin`` (β, the
+argument of :func:`robust_weights`; the runtimes use the default, not yet a configuration
+option) how far a site may push back each step against how often an honest site with a noisy
+gradient is zeroed (smaller batches, more heterogeneous data: raise it). ``docs/robustness.md`` has the
+measurements behind both defaults. Non-finite entries of G are the checks' business
 (``influence_outliers`` refuses non-finite norms before this runs); here they raise.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +61,7 @@ import torch
 from .checks import medians_of_the_others
 
 DEFAULT_CLIP_RATIO = 2.0  # measured: docs/robustness.md
+DEFAULT_AGREEMENT_MARGIN = 0.25  # β, measured: docs/robustness.md
 
 
 def check_clip_ratio(value: float) -> float:
@@ -66,14 +78,19 @@ class Weights:
 
     factors: list[float]
     clipped: list[int]  # sites whose a_i < 1
-    disagreeing: list[int]  # sites whose median cosine is ≤ 0 (weight 0)
+    disagreeing: list[int]  # sites pushing back past the margin (weight 0)
 
     @property
     def untouched(self) -> bool:
         return all(f == 1.0 for f in self.factors)
 
 
-def robust_weights(G: torch.Tensor, clip_ratio: float | None = DEFAULT_CLIP_RATIO, agreement: bool = True) -> Weights:
+def robust_weights(
+    G: torch.Tensor,
+    clip_ratio: float | None = DEFAULT_CLIP_RATIO,
+    agreement: bool = True,
+    agreement_margin: float = DEFAULT_AGREEMENT_MARGIN,
+) -> Weights:
     """The rule above on the Gram matrix ``G``; ``clip_ratio`` None or 0: no clipping."""
     S = G.shape[0]
     if not bool(torch.isfinite(G).all()):
@@ -87,16 +104,29 @@ def robust_weights(G: torch.Tensor, clip_ratio: float | None = DEFAULT_CLIP_RATI
                 clip[i] = clip_ratio * reference / norms[i]
     disagreeing: list[int] = []
     if agreement:
+        clipped = [[clip[i] * clip[j] * inner[i][j] for j in range(S)] for i in range(S)]
         remaining = [i for i in range(S) if norms[i]]  # a site that adds nothing pushes nowhere
         while len(remaining) >= 3:
-            agreement_of = {
-                i: statistics.median(inner[i][j] / (norms[i] * norms[j]) for j in remaining if j != i) for i in remaining
-            }
-            worst = min(remaining, key=lambda i: (agreement_of[i], i))
-            if agreement_of[worst] > 0.0:
+            push = _push_backs(clipped, remaining)
+            worst = max(remaining, key=lambda i: (push[i], -i))
+            if push[worst] < agreement_margin:
                 break
             disagreeing.append(worst)
             remaining.remove(worst)
     factors = [0.0 if i in disagreeing else clip[i] for i in range(S)]
     return Weights(factors, [i for i in range(S) if clip[i] < 1.0], disagreeing)
 
+
+def _push_backs(G: list[list[float]], sites: list[int]) -> dict[int, float]:
+    """Per site i of ``sites``: −⟨g_i, u_i⟩ / m_i, u_i the unit direction of the other sites' sum,
+    m_i the median of their norms (0 where the others sum to nothing). From G alone: with
+    R_i = Σ_j G_ij and T = Σ_jk G_jk over ``sites``, ⟨g_i, Σ_{j≠i} g_j⟩ = R_i − G_ii and
+    ‖Σ_{j≠i} g_j‖² = T − 2R_i + G_ii."""
+    rows = {i: math.fsum(G[i][j] for j in sites) for i in sites}
+    total = math.fsum(rows.values())
+    medians = medians_of_the_others([math.sqrt(max(G[i][i], 0.0)) for i in sites])
+    push = {}
+    for i, median in zip(sites, medians):
+        others = math.sqrt(max(total - 2 * rows[i] + G[i][i], 0.0))
+        push[i] = -(rows[i] - G[i][i]) / (others * median) if others and median else 0.0
+    return push

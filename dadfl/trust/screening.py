@@ -13,10 +13,10 @@ step, attempt, phase, model version, sample count). Then, over all uploads of th
 2. :meth:`Screening.weigh` — bounded influence (``strategies/robust.py``): from the Gram
    matrix of the accepted uploads' updates (inner products from the factors,
    ``strategies/gram.py``) a factor in [0, 1] per site — clipped to ``clip_ratio`` × the
-   median of the others' norms, 0 for a site whose median cosine with the others is ≤ 0
-   (``agreement``) — and each upload scaled by its factor (``Strategy.scale``). Factors
-   decided in a step's earlier phases bound the later ones' (PowerSGD: a site zeroed on
-   P_s stays zeroed on Q_s). A step where every factor is 1 aggregates the uploads untouched.
+   median of the others' norms, 0 for a site that pushes the model back along the others'
+   sum by more than ``agreement_margin`` × their median norm (``agreement``) — and each
+   upload scaled by its factor (``Strategy.scale``). Factors decided in a step's earlier
+   phases bound the later ones' (PowerSGD: a site zeroed on P_s stays zeroed on Q_s). A step where every factor is 1 aggregates the uploads untouched.
 3. :meth:`Screening.message` — the aggregated message as every site will decode it (after
    the wire codec), finite, and the update it decodes to naming the model's parameters with
    their shapes (``checks.check_update``): a server never sends a message that fails at a site.

@@ -10,7 +10,7 @@ from dadfl.strategies import make_strategy
 from dadfl.strategies.base import split_key
 from dadfl.strategies.gram import Dense, LowRank, UnpairedForms, gram, inner
 from dadfl.strategies.quantize import unpack
-from dadfl.strategies.robust import robust_weights
+from dadfl.strategies.robust import DEFAULT_AGREEMENT_MARGIN, robust_weights
 from tests.strategies.test_strategy_checks import WORKLOADS, federation
 
 EXACT = {  # strategies exact at these options: their decoded update is the autograd gradient
@@ -196,11 +196,89 @@ def test_factors_that_overflow_together_raise_a_clear_error_not_linalg():
 
 
 def test_agreement_is_greedy_an_honest_site_pulled_down_by_the_attacker_alone_keeps_its_weight():
-    # sites 1 and 2 disagree slightly (cosine −0.07): their median cosines over the three others
-    # are ≤ 0 while the attacker (3) is in, > 0 once it is out
-    honest = [[1.0, 0.0, 0.0], [0.6, 0.8, 0.0], [0.8, -0.7, 0.2]]
-    G = gram_of([*honest, [-2.0, -0.2, 0.0]])
-    cosines = G / torch.outer(G.diagonal().sqrt(), G.diagonal().sqrt())
-    assert float(cosines[1, 2]) < 0 and float(cosines[1, 3]) < 0 and float(cosines[2, 3]) < 0
+    # site 2 is off the others' mean but with it (cosine 0.29); with the attacker (3) in the
+    # others' sum it pushes back past the margin, once the attacker is out it does not
+    honest = [[1.0, 0.3], [1.0, -0.3], [0.3, 1.0]]
+    G = gram_of([*honest, [-1.5, -2.0]])
+    assert push_back(G, 2, [0, 1, 2, 3]) > DEFAULT_AGREEMENT_MARGIN and push_back(G, 2, [0, 1, 2]) < 0
+    assert push_back(G, 3, [0, 1, 2, 3]) > push_back(G, 2, [0, 1, 2, 3])  # the attacker goes first
     weights = robust_weights(G, clip_ratio=None)
     assert weights.disagreeing == [3] and weights.factors == [1.0, 1.0, 1.0, 0.0]
+
+
+def push_back(G: torch.Tensor, i: int, sites: list[int]) -> float:
+    """−⟨g_i, u_i⟩ / m_i written out with vectors' algebra on G (the rule's definition)."""
+    others = [j for j in sites if j != i]
+    along = sum(float(G[i, j]) for j in others) / sum(float(G[j, k]) for j in others for k in others) ** 0.5
+    norms = sorted(float(G[j, j]) ** 0.5 for j in others)
+    median = norms[len(norms) // 2] if len(norms) % 2 else (norms[len(norms) // 2 - 1] + norms[len(norms) // 2]) / 2
+    return -along / median
+
+
+# Four noisy honest gradients around one direction: μ = e_0 plus a tetrahedron's vertices (noise
+# summing to 0) of squared length 3.3, so that every pair's cosine is (1 − 1.1) / 4.3 < 0.
+NOISE = 1.1**0.5
+NOISY_HONEST = [[1.0, NOISE, NOISE, NOISE], [1.0, NOISE, -NOISE, -NOISE], [1.0, -NOISE, NOISE, -NOISE], [1.0, -NOISE, -NOISE, NOISE]]
+
+
+def test_honest_sites_with_noisy_but_aligned_gradients_keep_factor_one():
+    G = gram_of(NOISY_HONEST)
+    cosines = G / torch.outer(G.diagonal().sqrt(), G.diagonal().sqrt())
+    assert bool((cosines[~torch.eye(4, dtype=torch.bool)] < 0).all())  # every pair disagrees a little
+    assert all(0 < push_back(G, i, [0, 1, 2, 3]) < DEFAULT_AGREEMENT_MARGIN for i in range(4))
+    weights = robust_weights(G)
+    assert weights.untouched and weights.disagreeing == [] and weights.clipped == []
+
+
+def test_an_attacker_flipped_at_the_clip_bound_gets_weight_zero_and_the_honest_keep_one():
+    honest = NOISY_HONEST[:3]
+    mean = [sum(column) / 3 for column in zip(*honest)]
+    weights = robust_weights(gram_of([*honest, [-50.0 * x for x in mean]]))  # ×−50: clipped to 2× the median, then flipped
+    assert weights.clipped == [3] and weights.disagreeing == [3]
+    assert weights.factors == [1.0, 1.0, 1.0, 0.0]
+
+
+def test_a_site_pushing_back_past_the_margin_is_zeroed_and_one_within_it_is_not():
+    base = [[1.0, 0.0], [1.0, 0.0], [1.0, 0.0]]  # the others' sum along e_0, their norms 1
+    for push, zeroed in ((0.9 * DEFAULT_AGREEMENT_MARGIN, []), (1.1 * DEFAULT_AGREEMENT_MARGIN, [3])):
+        site = [-push, (1.0 - push**2) ** 0.5]  # unit norm, −push along the others' direction
+        weights = robust_weights(gram_of([*base, site]))
+        assert weights.disagreeing == zeroed and weights.clipped == []
+    assert robust_weights(gram_of([*base, [-0.2, 0.98]]), agreement_margin=0.1).disagreeing == [3]  # the margin is β
+
+
+def test_untouched_weights_aggregate_the_uploads_bit_identically_and_a_zeroed_site_leaves_the_mean():
+    """Through the coordinator's screening, a real strategy's uploads: all factors 1 gives the
+    message plain aggregation gives, to the bit; a fourth site sign-flipped at the clip bound gets
+    weight 0, and the message is the three honest sites', to the bit."""
+    from dadfl.replica import OptimizerConfig, Replica
+    from dadfl.trust.screening import Screening
+    from dadfl.workloads import load_workload, partition, site_batches
+
+    torch.manual_seed(0)
+    workload, strategy = load_workload("digits-mlp"), make_strategy("dad")
+    train = workload.training_data()
+    indices = partition(4, len(train), "iid", labels=workload.labels, seed=0)
+    coordinator = Replica(workload, strategy, OptimizerConfig(name="sgd", lr=0.1), "cpu")
+    payloads = [  # four sites on the coordinator's weights; large batches: aligned gradients
+        strategy.site(coordinator.layout, coordinator.model).begin(coordinator.work(site_batches(train, index, 128, seed=s).at, 0), 0)
+        for s, index in enumerate(indices)
+    ]
+    screening = Screening(coordinator, 100.0, None)
+
+    def message(uploads):
+        return screening.message(strategy.server(coordinator.layout, coordinator.model), uploads, [])[0]
+
+    def plain(uploads):
+        return strategy.server(coordinator.layout, coordinator.model).aggregate(uploads)
+
+    def same(a, b):
+        return a.num_samples == b.num_samples and a.tensors.keys() == b.tensors.keys() and all(
+            torch.equal(a.tensors[k], b.tensors[k]) for k in a.tensors
+        )
+
+    assert same(message(payloads), plain(payloads)) and screening.weighed["factors"] == [1.0] * 4
+    flipped = type(payloads[3])(0, 0, payloads[3].num_samples, {  # ×−20: clipped to 2× the others' median
+        k: -20 * t if split_key(k)[1] in strategy.SCALED_ROLES and t.is_floating_point() else t for k, t in payloads[3].tensors.items()
+    })
+    assert same(message([*payloads[:3], flipped]), plain(payloads[:3])) and screening.weighed["disagreeing"] == [3]
