@@ -320,7 +320,9 @@ class StepLoop:
                 return self._abort(active, step, attempt, f"only {len(uploads)} of the {min_sites} sites needed sent phase {phase}")
             uploads.sort(key=lambda upload: upload[0].site_id)  # the server half sees sites in site-id order
             nonfinite = await self._off_loop(
-                sum(u.payload.nbytes() for _, u in uploads), nonfinite_reasons, [u.header.loss_sum for _, u in uploads], [u.payload for _, u in uploads])
+                sum(u.payload.nbytes() for _, u in uploads), nonfinite_reasons,
+                [u.header.loss_sum for _, u in uploads], [u.payload for _, u in uploads],
+            )
             if model_fault(len(nonfinite), len(uploads)):
                 finite = await asyncio.to_thread(weights_finite, self.replica.model)
                 self._stop_for_model(active, step, attempt, model_fault_reason(step, phase, list(nonfinite.values()), len(uploads), finite))
