@@ -44,6 +44,14 @@ DTYPES = {
 }
 TORCH_DTYPES = {wire: dtype for dtype, wire in DTYPES.items()}
 WIRE_DTYPE_OF_CODEC = {pb.FP16: torch.float16, pb.BF16: torch.bfloat16}
+# The wire's little-endian dtypes numpy reads in place (bfloat16 it has not; on a big-endian
+# machine torch's byte swap below)
+LITTLE_ENDIAN_NUMPY = {
+    dtype: np.dtype(name) for dtype, name in {
+        torch.float32: "<f4", torch.float64: "<f8", torch.float16: "<f2", torch.int64: "<i8", torch.int32: "<i4",
+        torch.int16: "<i2", torch.int8: "i1", torch.uint8: "u1", torch.bool: "?",
+    }.items()
+} if sys.byteorder == "little" else {}
 MAX_DIMS = 8
 
 
@@ -199,6 +207,7 @@ class PayloadAssembler:
     _header: pb.PayloadHeader | None = None
     _buffer: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint8))
     _received: int = 0
+    _checked: pb.PayloadHeader | None = None  # the last header check_header passed: a site's uploads repeat its tensors
 
     def feed(self, chunk: pb.PayloadChunk) -> Assembled | None:
         if chunk.HasField("header"):
@@ -226,7 +235,10 @@ class PayloadAssembler:
 
     def _start(self, header: pb.PayloadHeader) -> None:
         check_payload_bytes(header.total_bytes, self.max_payload_bytes, "max_payload_bytes in the server config")
-        check_header(header)
+        last = self._checked
+        if last is None or header.total_bytes != last.total_bytes or header.tensors != last.tensors:  # else it passes as that one did
+            check_header(header)
+            self._checked = header
         self._header = header
         self._buffer = np.empty(header.total_bytes, np.uint8)  # every byte is overwritten by a chunk
 
@@ -254,18 +266,24 @@ def check_header(header: pb.PayloadHeader) -> None:
 
 
 def decode_tensors(header: pb.PayloadHeader, buffer: np.ndarray) -> dict[str, torch.Tensor]:
-    """Tensors as views into ``buffer`` (raw) or converted copies (half-precision codecs)."""
+    """Tensors as views into ``buffer`` (raw) or converted copies (half-precision codecs).
+    Through a numpy view where numpy has the dtype: a third of ``torch.frombuffer``'s cost,
+    which a coordinator pays per tensor of every site's upload."""
     tensors = {}
     for meta in header.tensors:
         dtype = TORCH_DTYPES[meta.dtype]
         wire_dtype = dtype if meta.codec == pb.RAW else WIRE_DTYPE_OF_CODEC[meta.codec]
-        if meta.nbytes == 0:
-            flat = torch.empty(0, dtype=wire_dtype)
+        shape = tuple(meta.shape)
+        if wire_dtype in LITTLE_ENDIAN_NUMPY:
+            tensor = torch.from_numpy(buffer[meta.offset : meta.offset + meta.nbytes].view(LITTLE_ENDIAN_NUMPY[wire_dtype]).reshape(shape))
+        elif meta.nbytes == 0:
+            tensor = torch.empty(shape, dtype=wire_dtype)
         else:
             flat = torch.frombuffer(buffer, dtype=wire_dtype, count=meta.nbytes // wire_dtype.itemsize, offset=meta.offset)
             if sys.byteorder != "little" and flat.element_size() > 1:
                 flat = torch.from_numpy(flat.numpy().byteswap())
-        tensors[meta.key] = flat.reshape(tuple(meta.shape)).to(dtype)
+            tensor = flat.reshape(shape)
+        tensors[meta.key] = tensor if wire_dtype == dtype else tensor.to(dtype)
     return tensors
 
 

@@ -89,7 +89,7 @@ from dadfl.sanitize import REASON_CHARS, one_line
 from . import checkpoint
 from .evaluation import EvalRejected, SiteEval, check_report, combine
 from .links import Done, Encoded, SiteLink, Upload
-from dadfl.trust.screening import WEIGHTS_NOT_FINITE, model_fault, model_fault_reason, nonfinite_reason, weights_finite
+from dadfl.trust.screening import WEIGHTS_NOT_FINITE, model_fault, model_fault_reason, nonfinite_reasons, weights_finite
 
 log = logging.getLogger("dadfl.server")
 
@@ -319,8 +319,10 @@ class StepLoop:
             if len(uploads) < min_sites:
                 return self._abort(active, step, attempt, f"only {len(uploads)} of the {min_sites} sites needed sent phase {phase}")
             uploads.sort(key=lambda upload: upload[0].site_id)  # the server half sees sites in site-id order
-            nonfinite = await self._off_loop(sum(u.payload.nbytes() for _, u in uploads), lambda: {
-                index: reason for index, (_, u) in enumerate(uploads) if (reason := nonfinite_reason(u.header.loss_sum, u.payload))})
+            nonfinite = await self._off_loop(
+                sum(u.payload.nbytes() for _, u in uploads), nonfinite_reasons,
+                [u.header.loss_sum for _, u in uploads], [u.payload for _, u in uploads],
+            )
             if model_fault(len(nonfinite), len(uploads)):
                 finite = await asyncio.to_thread(weights_finite, self.replica.model)
                 self._stop_for_model(active, step, attempt, model_fault_reason(step, phase, list(nonfinite.values()), len(uploads), finite))

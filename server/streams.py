@@ -47,7 +47,10 @@ def wire_size(message) -> int:
 
 def done_bytes(message: cpb.SiteMessage) -> int:
     """The bytes of the ``previous_done`` a message carries (its field, tag and length included), 0 without one."""
-    return cpb.SiteMessage(previous_done=message.previous_done).ByteSize() if message.HasField("previous_done") else 0
+    if not message.HasField("previous_done"):
+        return 0
+    size = message.previous_done.ByteSize()  # the field's own: no copy into a message of its own
+    return 1 + max(1, (size.bit_length() + 6) // 7) + size  # field 6's tag is one byte, its length a varint
 
 
 def done_event(done: cpb.StepDone) -> Done:

@@ -46,7 +46,7 @@ from dadfl.sanitize import one_line
 from dadfl.simulation import Progress, SimulationConfig, StrategySpec, run_directory
 from dadfl.strategies import Payload, make_strategy, weights_fingerprint
 from dadfl.trust.protocol import PayloadError, check_protocol
-from dadfl.trust.screening import WEIGHTS_NOT_FINITE, Screening, model_fault, model_fault_reason, nonfinite_reason, weights_finite
+from dadfl.trust.screening import WEIGHTS_NOT_FINITE, Screening, model_fault, model_fault_reason, nonfinite_reasons, weights_finite
 
 from .node import make_client_app
 from .records import DONE, HEADER, LOST, NEED_STATE, PAYLOAD, PHASE_MESSAGE, REFUSED, Refused, Reply, STATE, STEP_MESSAGE, payload_content, read_reply, record_from_tensors
@@ -206,7 +206,7 @@ class FlowerCoordinator:
             except PayloadError as exc:
                 self.refuse(node, step, phase, str(exc))
         payloads = [reply.payload.to(self.replica.device) for reply in replies]
-        nonfinite = {i: reason for i, reply in enumerate(replies) if (reason := nonfinite_reason(reply.fields["loss_sum"], payloads[i]))}
+        nonfinite = nonfinite_reasons([reply.fields["loss_sum"] for reply in replies], payloads)
         if model_fault(len(nonfinite), len(replies)):
             raise FlowerRunError(model_fault_reason(step, phase, list(nonfinite.values()), len(replies), weights_finite(self.replica.model)))
         refused = {**nonfinite, **self.screening.refusals(step, phase, payloads, messages)}

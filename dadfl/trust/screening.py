@@ -50,8 +50,8 @@ from dadfl.protos.codec import roundtrip
 from dadfl.replica import Replica
 from dadfl.sanitize import printable
 from dadfl.strategies import Payload
-from dadfl.strategies.checks import ModelFacts, all_finite, check_update, contribution_norms, influence_outliers
-from dadfl.strategies.gram import UnpairedForms, gram, sq_norm
+from dadfl.strategies.checks import ModelFacts, all_finite, check_update, finite_flags, influence_outliers
+from dadfl.strategies.gram import UnpairedForms, gram, sq_norm, sq_norms
 from dadfl.strategies.robust import DEFAULT_CLIP_RATIO, robust_weights
 
 log = logging.getLogger(__name__)
@@ -63,12 +63,19 @@ MAX_AGREEMENT_SITES = 32
 
 def nonfinite_reason(loss_sum: float, payload: Payload) -> str | None:
     """Why an upload holds a non-finite value (its reported loss or one of its tensors), or None."""
-    if not math.isfinite(loss_sum):
-        return f"loss_sum={loss_sum!r} is not finite"
-    for key, tensor in payload.tensors.items():
-        if not all_finite(tensor):
-            return f"tensor {printable(key)}: contains NaN or Inf"
-    return None
+    return nonfinite_reasons([loss_sum], [payload]).get(0)
+
+
+def nonfinite_reasons(loss_sums: Sequence[float], payloads: Sequence[Payload]) -> dict[int, str]:
+    """:func:`nonfinite_reason` of every upload that has one, by index: the tensors of all of
+    them tested together (``checks.finite_flags``)."""
+    keyed = [(index, key) for index, payload in enumerate(payloads) for key in payload.tensors]
+    finite = finite_flags([payloads[index].tensors[key] for index, key in keyed])
+    reasons = {index: f"loss_sum={loss!r} is not finite" for index, loss in enumerate(loss_sums) if not math.isfinite(loss)}
+    for (index, key), ok in zip(keyed, finite):
+        if not ok and index not in reasons:  # the first of its tensors that is not finite
+            reasons[index] = f"tensor {printable(key)}: contains NaN or Inf"
+    return dict(sorted(reasons.items()))
 
 
 def model_fault(nonfinite: int, uploads: int) -> bool:
@@ -115,9 +122,10 @@ class Screening:
     # The step's factors so far (its earlier phases bound the later ones), and what the
     # metrics record of them: reset by each step's (each attempt's) phase 0.
     weighed: dict = field(init=False, default_factory=dict)
-    # The update terms of the phase's measured uploads, ``(payload, terms)`` by id (the payload
-    # kept so that a reused id cannot match another upload): ``refusals`` measures them, ``weigh``
-    # and the trials of ``breaking`` reuse them (edAD recomputes its hidden deltas for them).
+    # The update terms of the phase's measured uploads and their squared norm, ``(payload, terms,
+    # ‖update‖²)`` by id (the payload kept so that a reused id cannot match another upload):
+    # ``refusals`` measures them, ``weigh`` and the trials of ``breaking`` reuse them (edAD
+    # recomputes its hidden deltas for them).
     measured: dict = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -167,16 +175,26 @@ class Screening:
                     crashed += 1
             if crashed == len(payloads):  # on every upload: the check is at fault, not the sites
                 raise failure
-        measures, self.measured = {}, {}
+        terms, self.measured = {}, {}
         for index, payload in enumerate(payloads):
             if index in refused:
                 continue
             try:
-                update, buffers = strategy.terms(layout, payload, messages, model)
-                measures[index] = contribution_norms(update, buffers)
-                self.measured[id(payload)] = (payload, update)
+                terms[index] = strategy.terms(layout, payload, messages, model)
             except Exception as exc:
                 refused[index] = f"its contribution cannot be measured ({type(exc).__name__}: {exc})"
+        squares = {}  # by index: (‖update‖², ‖buffers‖²)
+        try:  # every site's at once (``gram.sq_norms``)
+            squares = dict(zip(terms, zip(*(sq_norms([t[kind] for t in terms.values()]) for kind in (0, 1)))))
+        except Exception:  # some site's terms have no norm: one by one, to refuse those
+            for index, (update, buffer_terms) in terms.items():
+                try:
+                    squares[index] = (sq_norm(update), sq_norm(buffer_terms))
+                except Exception as exc:
+                    refused[index] = f"its contribution cannot be measured ({type(exc).__name__}: {exc})"
+        measures = {index: {"update": math.sqrt(u), "buffers": math.sqrt(b)} for index, (u, b) in squares.items()}
+        for index, (update_square, _) in squares.items():
+            self.measured[id(payloads[index])] = (payloads[index], terms[index][0], update_square)
         good = list(measures)
         for j, reason in influence_outliers(list(measures.values()), self.max_influence_ratio, self.max_update_norm).items():
             refused[good[j]] = f"contribution out of bounds: {reason}"
@@ -198,7 +216,7 @@ class Screening:
                 log.warning("step %d phase %d: no agreement weights (%s)", payloads[0].step, payloads[0].phase, exc)
                 agreement = False
         if G is None:
-            G = torch.diag(torch.tensor([sq_norm(t) for t in terms], dtype=torch.float64))
+            G = torch.diag(torch.tensor(self._sq_norms(payloads, terms), dtype=torch.float64))
         weights = robust_weights(G, self.clip_ratio, agreement)
         step, phase = payloads[0].step, payloads[0].phase
         factors = weights.factors
@@ -215,6 +233,13 @@ class Screening:
         # sent: the others' mean is not diluted by it.
         kept = [(payload, factor) for payload, factor in zip(payloads, factors) if factor > 0.0]
         return [payload if factor == 1.0 else strategy.scale(layout, payload, factor) for payload, factor in kept]
+
+    def _sq_norms(self, payloads: Sequence[Payload], terms: Sequence) -> list[float]:
+        """‖update‖² of each upload: as ``refusals`` measured them, else computed from ``terms``."""
+        known = [self.measured.get(id(payload)) for payload in payloads]
+        if all(entry is not None and entry[0] is payload for entry, payload in zip(known, payloads)):
+            return [entry[2] for entry in known]
+        return sq_norms(terms)
 
     def _update_terms(self, payload: Payload, messages: Sequence[Payload]):
         known = self.measured.get(id(payload))

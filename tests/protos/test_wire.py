@@ -122,9 +122,13 @@ def test_lost_or_reordered_chunks_are_refused():
 )
 def test_inconsistent_headers_are_refused_with_the_reason(corrupt, message):
     chunks = wire(encode_payload(Payload(0, 0, 1, {"x:grad": torch.zeros(1000)})))
+    after_good = PayloadAssembler(1 << 20)  # it passed this tensor list unchanged before: the change is checked
+    assert after_good.feed(wire(encode_payload(Payload(0, 0, 1, {"x:grad": torch.ones(1000)})))[0]) is not None
     corrupt(chunks[0].header.tensors[0])
     with pytest.raises(WireError, match=message):
         decode_chunks(chunks)
+    with pytest.raises(WireError, match=message):
+        after_good.feed(chunks[0])
 
 
 def test_duplicate_tensor_keys_are_refused():

@@ -12,7 +12,8 @@ import torch
 
 from dadfl.server.quarantine import Quarantine
 from dadfl.strategies import Payload, local_step, make_strategy, probe_layout
-from dadfl.strategies.checks import ModelFacts, all_finite, factor_sq_norm, influence_outliers, low_rank_sq_norm, medians_of_the_others
+from dadfl.strategies import checks, gram
+from dadfl.strategies.checks import ModelFacts, all_finite, factor_sq_norm, finite_flags, influence_outliers, low_rank_sq_norm, medians_of_the_others
 from dadfl.workloads import load_workload
 
 STRATEGIES = {  # label: (name, options)
@@ -129,6 +130,38 @@ def test_contribution_norms_are_exact_and_do_not_overflow():
     huge = torch.full((1, 32, 64), 1e30)
     assert torch.bmm(huge.transpose(1, 2), huge).isinf().all()  # what float32 aggregation would make of it
     assert math.isfinite(factor_sq_norm(huge, huge)) and factor_sq_norm(huge, huge) > 1e120
+
+
+def test_finite_flags_of_many_tensors_agree_with_each_tensor_alone(monkeypatch):
+    monkeypatch.setattr(checks, "STACKED_ELEMENTS", 8)  # several stacks of one shape, and shapes larger than a stack
+    generator = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(3, generator=generator) for _ in range(7)] + [
+        torch.full((3,), 3e38), torch.full((2, 2), 60000.0).half(), torch.full((2, 2), 1.0).half(), torch.randn(20, generator=generator),
+        torch.zeros(0, 3), torch.tensor([1, 2]), torch.tensor(2.5, dtype=torch.float64),
+    ]
+    for index, bad in [(1, float("nan")), (5, float("inf")), (10, float("-inf"))]:
+        tensors[index] = tensors[index].clone()
+        tensors[index][2] = bad
+    tensors[8] = tensors[8].clone()
+    tensors[8][1, 1] = float("inf")
+    expected = [all_finite(t) for t in tensors]
+    assert expected.count(False) == 4 and all_finite(tensors[7])  # tensor 7's sum overflows: settled element-wise
+    assert finite_flags(tensors) == expected
+
+
+def test_sq_norms_of_many_sites_match_each_site_measured_alone(monkeypatch):
+    monkeypatch.setattr(gram, "STACKED_ELEMENTS", 16)
+    generator = torch.Generator().manual_seed(0)
+    sites = [
+        {"w": [gram.Dense(torch.randn(2, 4, generator=generator), 1 / (i + 1))], "b": [gram.Dense(torch.randn(2, generator=generator), 0.5)]}
+        for i in range(6)
+    ]
+    A, D = torch.randn(1, 3, 4, generator=generator), torch.randn(1, 3, 2, generator=generator)
+    sites[2] = {"w": [gram.Factors(A, D, 0.25)], "b": [gram.Dense(D.sum(dim=1), 0.25), gram.Dense(torch.ones(1, 2), 1.0)]}
+    sites.append({})
+    for got, terms in zip(gram.sq_norms(sites), sites):
+        direct = math.fsum(gram.inner(a, b) for held in terms.values() for a in held for b in held)
+        assert got == pytest.approx(direct, rel=1e-12)
 
 
 def test_all_finite_agrees_with_the_element_wise_test_also_where_the_sum_overflows():
