@@ -174,6 +174,7 @@ class StepLoop:
                             raise RunStopped(f"step {self.step} failed {failures} times in a row; see the log above")
                 first = False
                 self.view.step(await self._finish_step(result, attempt, started, metrics))
+                del result  # its messages (dSGD's: the model-sized mean) are not held through the next step
         self.finished = True
         checkpoint.save_final_model(self.run_dir, self.replica)
         for link in list(self.links.values()):
@@ -348,6 +349,9 @@ class StepLoop:
             if phase == 0:
                 samples = sum(u.payload.num_samples for _, u in uploads)
                 loss_sum = sum(u.header.loss_sum for _, u in uploads)
+            # The uploads are in the message now: not held while it is serialised and the sites
+            # answer (the next step's uploads arrive meanwhile); under dSGD each is model-sized.
+            del events, uploads, screened, aggregated
             header, chunks = encode_chunks(message, self.codec, self.config.wire.chunk_bytes, kind=pb.PHASE, attempt=attempt)
             messages.append(sent)  # what every site decodes
             # Serialised once for every site, a chunk at a time (the message's bytes are held
@@ -356,6 +360,7 @@ class StepLoop:
             wire = [Encoded.of(cpb.ServerMessage(chunk=chunk, next=going_next if i == 0 else None)) for i, chunk in enumerate(chunks)]
             for link in active:
                 self._send(link, *wire)
+            del message, wire  # the outboxes hold the bytes until written; ``sent`` is what the step applies
             bytes_down += header.total_bytes * len(active)
             phase_seconds.append(time.perf_counter() - started)
             phase += 1

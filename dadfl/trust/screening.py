@@ -244,6 +244,8 @@ class Screening:
                 raise ValueError(f"the aggregated {key!r} is not finite on the wire")
         update = self.replica.decode([*messages, sent])
         check_update(self.facts, update)
+        if remember:  # the phase's uploads are aggregated: their terms (and payloads) are not held further
+            self.measured = {}
         return message, sent, update
 
     def passes(self, start: dict, payloads: Sequence[Payload], messages: Sequence[Payload]) -> bool:
