@@ -84,6 +84,7 @@ from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.protos import tensor_pb2 as pb
 from dadfl.protos.codec import encode_chunks
 from dadfl.records import StepRecord
+from dadfl.replica import Decoded
 from dadfl.sanitize import REASON_CHARS, one_line
 
 from . import checkpoint
@@ -288,7 +289,7 @@ class StepLoop:
         going_next = None if last else cpb.StepNext(checkpoint_step=step + 1 if self._checkpoints_after(step) else self.checkpoint_step)
         active, messages, phase_seconds = participants, [], []
         samples, loss_sum, bytes_up, bytes_down = 0, 0.0, 0, 0
-        update: dict = {}  # decoded from the messages so far, checked before each was sent
+        update: dict | Decoded = {}  # decoded from the messages so far, checked before each was sent
         phase = 0
         while True:
             started = time.perf_counter()
@@ -342,7 +343,7 @@ class StepLoop:
                 # in a thread: a model-sized draw and the release count's fsync would stall every stream
                 message, sent, update = await asyncio.to_thread(
                     self.privacy.release,
-                    self.layout, update, sum(u.payload.num_samples for _, u in uploads), len(uploads), step, self.codec,
+                    self.layout, dict(update.items()), sum(u.payload.num_samples for _, u in uploads), len(uploads), step, self.codec,
                 )
             active = [link for link, _ in uploads]
             bytes_up += sum(u.header.total_bytes for _, u in uploads)
