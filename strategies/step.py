@@ -26,13 +26,13 @@ from .precision import autocast, scaled_backward
 from .probe import probe_layout
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 class Decoding(Protocol):
     """An update decoded one entry at a time: ``items()`` makes its ``(key, value)`` pairs."""
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]: ...
-Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass

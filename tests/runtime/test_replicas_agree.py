@@ -20,6 +20,7 @@ from dadfl.server import simulate_processes
 from dadfl.simulation import SimulationConfig, StrategySpec
 from dadfl.strategies import exchange, make_strategy, weights_fingerprint
 from dadfl.strategies.base import layer_gradient
+from dadfl.strategies.checks import ModelFacts, check_update
 from dadfl.strategies.payload import tensor_key
 from dadfl.workloads import load_workload
 
@@ -136,7 +137,8 @@ def test_an_update_applied_one_parameter_at_a_time_has_the_bits_of_the_whole_one
 
 
 def test_an_update_that_names_a_parameter_twice_is_refused():
-    """A dict keeps a key's last value; entries made one at a time must not step a parameter twice."""
+    """A dict keeps a key's last value; entries made one at a time must not step a parameter
+    twice: the coordinator's message check refuses them before the message is sent."""
     target = replica(hidden=8)
     name, param = next(iter(target.model.named_parameters()))
 
@@ -144,6 +146,8 @@ def test_an_update_that_names_a_parameter_twice_is_refused():
         def items(self):
             return iter([(name, torch.ones_like(param)), (name, torch.ones_like(param))])
 
+    with pytest.raises(ValueError, match="twice"):
+        check_update(ModelFacts.from_model(target.model, target.layout), Twice())
     with pytest.raises(ValueError, match="twice"):
         target.apply_update(Twice())
 
