@@ -143,8 +143,9 @@ class Replica:
         )
 
     def apply(self, messages: Sequence[Payload]) -> str:
-        """Decode the step's messages, apply the update, return the weights fingerprint."""
-        return self.apply_update(self.decode(messages))
+        """Decode the step's messages and apply the update, one parameter at a time (the whole
+        float64 update is never held); return the weights fingerprint."""
+        return self.apply_update(Decoded(self, tuple(messages)))
 
     def decode(self, messages: Sequence[Payload]) -> dict[str, torch.Tensor]:
         """The update the step's messages carry, in float64 on this replica's device

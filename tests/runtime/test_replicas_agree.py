@@ -119,10 +119,9 @@ def test_a_replica_on_another_device_applies_steps_to_the_same_bits(name, device
 @pytest.mark.parametrize("name", ["dsgd", "dad", "rankdad", "powersgd"])
 @pytest.mark.parametrize("spec", [("digits-mlp", {"hidden": 64}), ("char-transformer", {"d_model": 16, "layers": 1, "max_sequences": 64})], ids=lambda s: s[0])
 def test_an_update_applied_one_parameter_at_a_time_has_the_bits_of_the_whole_one(spec, name, optimizer):
-    """What a coordinator applies (``Decoded``: the messages decoded again, a parameter at a
-    time, each entry stepped and freed) ends on the bits of a whole decoded update (a site's
-    ``apply``); the transformer's learned positions are a matrix rank-dAD compresses outside
-    any captured layer."""
+    """What a replica applies (``Decoded``: the messages decoded a parameter at a time, each
+    entry stepped and freed) ends on the bits of the whole decoded update; the transformer's
+    learned positions are a matrix rank-dAD compresses outside any captured layer."""
     workload = load_workload(spec[0], **spec[1])
     whole = Replica(workload, make_strategy(name), optimizer)
     each = Replica(workload, make_strategy(name), optimizer)
@@ -133,7 +132,7 @@ def test_an_update_applied_one_parameter_at_a_time_has_the_bits_of_the_whole_one
     for step in range(3):
         locals_ = [whole.local(train.inputs[i : i + 8], train.targets[i : i + 8]) for i in (16 * step, 16 * step + 8)]
         messages, _ = exchange(sites, server, locals_, step)
-        assert each.apply_update(Decoded(each, tuple(messages))) == whole.apply(messages), f"step {step}"
+        assert each.apply(messages) == whole.apply_update(whole.decode(messages)), f"step {step}"
 
 
 def test_an_update_that_names_a_parameter_twice_is_refused():
