@@ -175,8 +175,11 @@ class Strategy:
         self, layout: Layout, messages: Sequence[Payload], model: nn.Module | None = None
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """``decode``'s entries one at a time (its keys, values and order), for a replica that
-        applies each as it comes (``apply_update``). By default the whole update is decoded
-        first; a strategy whose decode is per parameter anyway overrides this to stream it."""
+        applies each as it comes (``apply_update``): ``decode_entries`` when ``decode`` is this
+        class's own; else the whole update is decoded first, unless the strategy overrides this
+        too (rank-dAD)."""
+        if type(self).decode is Strategy.decode:
+            return decode_entries(layout, messages[-1])
         return iter(self.decode(layout, messages, model).items())
 
     def batch_indices(self, step: int) -> range:
