@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Callable, Literal, Sequence
+from typing import Callable, Iterator, Literal, Sequence
 
 import torch
 from pydantic import Field
 from torch.utils.data import DataLoader, Dataset
 
 from dadfl.strategies import Payload, Strategy, apply_update, local_step, probe_layout, weights_fingerprint
-from dadfl.strategies.base import LocalResult, decode_message
+from dadfl.strategies.base import LocalResult, decode_entries
 from dadfl.strategies.precision import check_precision
 from dadfl.strategies.canonical import float64_payload
 from dadfl.strategies.sample_clipping import ClipPlan, clipped_local_step
@@ -81,6 +81,21 @@ def check_dp_precision(precision: str) -> str:
     if precision != "fp32":
         raise ValueError(f"precision={precision!r} with [dp]: per-sample clipping runs in fp32; use precision 'fp32' with [dp]")
     return precision
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """The update of a step's messages, decoded again one parameter at a time whenever
+    ``items()`` is read (``Replica.decode_each``): what a coordinator keeps between checking a
+    phase's message and applying the step, instead of the decoded update, which is float64
+    and model-sized for the low-rank strategies (800 MB at 100M parameters). Every read
+    makes the same bits: the same messages through the same operations."""
+
+    replica: "Replica"
+    messages: tuple[Payload, ...]
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.replica.decode_each(self.messages)
 
 
 @dataclass
@@ -152,19 +167,25 @@ class Replica:
         )
 
     def apply(self, messages: Sequence[Payload]) -> str:
-        """Decode the step's messages, apply the update, return the weights fingerprint."""
-        return self.apply_update(self.decode(messages))
+        """Decode the step's messages and apply the update, one parameter at a time (the whole
+        float64 update is never held); return the weights fingerprint."""
+        return self.apply_update(Decoded(self, tuple(messages)))
 
     def decode(self, messages: Sequence[Payload]) -> dict[str, torch.Tensor]:
         """The update the step's messages carry, in float64 on this replica's device
         (``strategies/canonical.py``: replicas on other kernels agree); the weights are not touched."""
+        return dict(self.decode_each(messages))
+
+    def decode_each(self, messages: Sequence[Payload]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``decode``'s entries one at a time (``Strategy.decode_each``)."""
         messages = [float64_payload(m.to(self.device)) for m in messages]
         if self.max_grad_norm is not None:  # the coordinator's dense noisy update
-            return decode_message(self.layout, messages[-1])
-        return self.strategy.decode(self.layout, messages, self.model)
+            return decode_entries(self.layout, messages[-1])
+        return self.strategy.decode_each(self.layout, messages, self.model)
 
-    def apply_update(self, update: dict[str, torch.Tensor]) -> str:
-        """Apply a decoded update (in float64, rounded once: ``canonical_step``); return the weights fingerprint."""
+    def apply_update(self, update: dict[str, torch.Tensor] | Decoded) -> str:
+        """Apply a decoded update (in float64, rounded once: ``canonical_step``), a :class:`Decoded`
+        one parameter at a time; return the weights fingerprint."""
         apply_update(self.model, self.optimizer, update)
         return weights_fingerprint(self.model)
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+import weakref
 from pathlib import Path
 
 from dadfl.audit import FILE as AUDIT_FILE
@@ -135,7 +136,7 @@ class Coordinator(Admission, SiteStreams, PhaseUploads, StepLoop, cpb_grpc.Coord
                 self.reset_reason = f"the checkpoint's strategy state does not load ({exc})"
         self.half_at_step_start = self.server_half.state_dict()  # restored after an aborted attempt
         self.went_ahead: set[SiteLink] = set()  # participants that began the next step by themselves
-        self._state_encoded: tuple[tuple[int, str], list[Encoded]] | None = None  # _state_messages
+        self._state_encoded: tuple[tuple[int, str], list[weakref.ref[Encoded]]] | None = None  # _state_messages
         self._block_hashes: tuple[tuple[int, str], list[int]] | None = None  # _resync
         self.going_on: set[SiteLink] = set()  # those of them whose uploads the next step takes
         self.view = OperatorView(  # made here: a missing TensorBoard stops the server before it listens

@@ -84,6 +84,7 @@ from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.protos import tensor_pb2 as pb
 from dadfl.protos.codec import encode_chunks
 from dadfl.records import StepRecord
+from dadfl.replica import Decoded
 from dadfl.sanitize import REASON_CHARS, one_line
 
 from . import checkpoint
@@ -174,6 +175,7 @@ class StepLoop:
                             raise RunStopped(f"step {self.step} failed {failures} times in a row; see the log above")
                 first = False
                 self.view.step(await self._finish_step(result, attempt, started, metrics))
+                del result  # its messages (dSGD's: the model-sized mean) are not held through the next step
         self.finished = True
         checkpoint.save_final_model(self.run_dir, self.replica)
         for link in list(self.links.values()):
@@ -287,7 +289,7 @@ class StepLoop:
         going_next = None if last else cpb.StepNext(checkpoint_step=step + 1 if self._checkpoints_after(step) else self.checkpoint_step)
         active, messages, phase_seconds = participants, [], []
         samples, loss_sum, bytes_up, bytes_down = 0, 0.0, 0, 0
-        update: dict = {}  # decoded from the messages so far, checked before each was sent
+        update: dict | Decoded = {}  # decoded from the messages so far, checked before each was sent
         phase = 0
         while True:
             started = time.perf_counter()
@@ -343,13 +345,16 @@ class StepLoop:
                 # in a thread: a model-sized draw and the release count's fsync would stall every stream
                 message, sent, update = await asyncio.to_thread(
                     self.privacy.release,
-                    self.layout, update, sum(u.payload.num_samples for _, u in uploads), len(uploads), step, self.codec,
+                    self.layout, dict(update.items()), sum(u.payload.num_samples for _, u in uploads), len(uploads), step, self.codec,
                 )
             active = [link for link, _ in uploads]
             bytes_up += sum(u.header.total_bytes for _, u in uploads)
             if phase == 0:
                 samples = sum(u.payload.num_samples for _, u in uploads)
                 loss_sum = sum(u.header.loss_sum for _, u in uploads)
+            # The uploads are in the message now: not held while it is serialised and the sites
+            # answer (the next step's uploads arrive meanwhile); under dSGD each is model-sized.
+            del events, uploads, screened, aggregated
             header, chunks = encode_chunks(message, self.codec, self.config.wire.chunk_bytes, kind=pb.PHASE, attempt=attempt)
             messages.append(sent)  # what every site decodes
             # Serialised once for every site, a chunk at a time (the message's bytes are held
@@ -358,6 +363,7 @@ class StepLoop:
             wire = [Encoded.of(cpb.ServerMessage(chunk=chunk, next=going_next if i == 0 else None)) for i, chunk in enumerate(chunks)]
             for link in active:
                 self._send(link, *wire)
+            del message, wire  # the outboxes hold the bytes until written; ``sent`` is what the step applies
             bytes_down += header.total_bytes * len(active)
             phase_seconds.append(time.perf_counter() - started)
             phase += 1

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Iterable, Protocol, Sequence
+from typing import Callable, ClassVar, Iterable, Iterator, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -170,6 +170,17 @@ class Strategy:
         self, layout: Layout, messages: Sequence[Payload], model: nn.Module | None = None
     ) -> dict[str, torch.Tensor]:
         return decode_message(layout, messages[-1])
+
+    def decode_each(
+        self, layout: Layout, messages: Sequence[Payload], model: nn.Module | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``decode``'s entries one at a time (its keys, values and order), for a replica that
+        applies each as it comes (``apply_update``): ``decode_entries`` when ``decode`` is this
+        class's own; else the whole update is decoded first, unless the strategy overrides this
+        too (rank-dAD)."""
+        if type(self).decode is Strategy.decode:
+            return decode_entries(layout, messages[-1])
+        return iter(self.decode(layout, messages, model).items())
 
     def batch_indices(self, step: int) -> range:
         """The positions in a site's batch stream that ``step`` trains on: one batch, or a
@@ -380,26 +391,31 @@ def decode_message(layout: Layout, message: Payload) -> dict[str, torch.Tensor]:
     Factors arrive in sum units and are divided by N = ``message.num_samples`` here;
     dense entries already are means.
     """
-    update: dict[str, torch.Tensor] = {}
+    return dict(decode_entries(layout, message))
+
+
+def decode_entries(layout: Layout, message: Payload) -> Iterator[tuple[str, torch.Tensor]]:
+    """``decode_message``'s entries one at a time, in its order: a caller that applies each
+    as it comes never holds the whole update (float64 and model-sized at a replica)."""
     for key, tensor in message.tensors.items():
         name, role = split_key(key)
         if role == GRAD_ROLE:
-            update[name] = tensor
+            yield name, tensor
         elif role == BUFFER_ROLE:
-            update[key] = tensor
+            yield key, tensor
     total = message.num_samples
     for layer in layout.layers:
         p_key = tensor_key(layer.module, "P")
         weight, bias = layer_gradient(layer, message.tensors)
         if weight is not None:
-            update[layer.weight] = weight / total
+            yield layer.weight, weight / total
             if bias is not None:
-                update[layer.bias] = bias / total
+                yield layer.bias, bias / total
         elif p_key in message.tensors:
             P, Q = message.tensors[p_key], message.tensors[tensor_key(layer.module, "Q")]
             if layer.bias and Q.shape[1] == layer.in_per_group + 1:  # the bias folded in as Q's last row
                 X = torch.bmm(P, Q.transpose(1, 2)).div_(total)
-                update[layer.weight], update[layer.bias] = X[..., :-1].reshape(layer.weight_shape), X[..., -1].reshape(-1)
+                yield layer.weight, X[..., :-1].reshape(layer.weight_shape)
+                yield layer.bias, X[..., -1].reshape(-1)
             else:
-                update[layer.weight] = torch.bmm(P, Q.transpose(1, 2)).reshape(layer.weight_shape).div_(total)
-    return update
+                yield layer.weight, torch.bmm(P, Q.transpose(1, 2)).reshape(layer.weight_shape).div_(total)

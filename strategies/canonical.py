@@ -32,6 +32,7 @@ differs from it only in float64 summation order, which the rounding hides as abo
 from __future__ import annotations
 
 import math
+from typing import Iterable, Mapping
 
 import torch
 
@@ -49,27 +50,33 @@ def float64_payload(payload: Payload) -> Payload:
     return Payload(payload.step, payload.phase, payload.num_samples, tensors)
 
 
-def canonical_step(optimizer: torch.optim.Optimizer, grads: dict[torch.Tensor, torch.Tensor]) -> None:
+def canonical_step(
+    optimizer: torch.optim.Optimizer, grads: Mapping[torch.Tensor, torch.Tensor] | Iterable[tuple[torch.Tensor, torch.Tensor]],
+) -> None:
     """One step of ``optimizer`` with ``grads`` (parameter → its update: float64 keeps the
     decode's precision, a dense float32 one is widened a chunk at a time; parameters without
     one are left alone, as torch leaves those whose ``.grad`` is None), computed in float64
-    and rounded once (module docstring)."""
+    and rounded once (module docstring). ``grads`` may be ``(parameter, update)`` pairs made
+    one at a time: each parameter steps as its update comes (the step of one parameter never
+    reads another's, so the bits are those of the whole dict) and the update can be freed."""
+    pairs = grads.items() if isinstance(grads, Mapping) else grads
     groups = optimizer.param_groups
     if type(optimizer) is torch.optim.SGD:
         step = _sgd
     elif type(optimizer) is torch.optim.Adam and not any(g["amsgrad"] or g.get("decoupled_weight_decay") for g in groups):
         step = _adam
     else:
-        for param, grad in grads.items():
+        for param, grad in pairs:
             param.grad = grad.to(param.dtype).clone()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return
+    group_of = {param: group for group in groups for param in group["params"]}
     with torch.no_grad():
-        for group in groups:
-            for param in group["params"]:
-                if param in grads:
-                    step(param, grads[param], optimizer.state[param], group)
+        for param, grad in pairs:
+            group = group_of.get(param)
+            if group is not None:  # a parameter the optimizer does not hold is left alone, as torch's would
+                step(param, grad, optimizer.state[param], group)
 
 
 def _chunks(*tensors: torch.Tensor):

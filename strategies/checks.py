@@ -393,9 +393,14 @@ def influence_outliers(measures: Sequence[dict[str, float]], max_ratio: float, m
 
 
 def check_update(facts: ModelFacts, update: dict[str, torch.Tensor]) -> None:
-    """The decoded update must name known parameters and buffers with their shapes, finite;
-    raises ValueError saying what is wrong."""
+    """The decoded update must name known parameters and buffers with their shapes, finite,
+    each once (entries made one at a time could repeat a key, which a dict cannot); raises
+    ValueError saying what is wrong."""
+    seen = set()
     for key, tensor in update.items():
+        if key in seen:
+            raise ValueError(f"the update names {printable(key)} twice")
+        seen.add(key)
         name, role = split_key(key)
         known = facts.buffers.get(name) if role == BUFFER_ROLE else facts.params.get(key)
         if known is None:

@@ -138,7 +138,7 @@ reveals), or as dense gradients with ``raw_input="dense"``; A and Δ never leave
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -151,7 +151,7 @@ from .base import (
     Strategy,
     check_raw_input,
     check_state_keys,
-    decode_message,
+    decode_entries,
     dense_aggregate,
     dense_upload,
     layer_gradient,
@@ -571,14 +571,17 @@ class RankDAD(Strategy):
 
     def decode(self, layout: Layout, messages: Sequence[Payload], model=None) -> dict[str, torch.Tensor]:
         """Captured layers as ``decode_message`` does; compressed uncovered parameters: P Qᵀ / N."""
+        return dict(self.decode_each(layout, messages, model))
+
+    def decode_each(self, layout: Layout, messages: Sequence[Payload], model=None) -> Iterator[tuple[str, torch.Tensor]]:
+        """``decode`` one parameter at a time: each P Qᵀ (float64 at a replica) is made when it is read."""
         message = unpack(messages[-1])
-        update = decode_message(layout, message)
+        yield from decode_entries(layout, message)
         for target in self.plan(layout).matrices:
             factors = target.read(message) if target.layer is None else None
             if factors is not None:
                 P, Q = factors
-                update[target.weight] = torch.bmm(P, Q.transpose(1, 2)).reshape(target.weight_shape).div_(message.num_samples)
-        return update
+                yield target.weight, torch.bmm(P, Q.transpose(1, 2)).reshape(target.weight_shape).div_(message.num_samples)
 
     def upload_units(self, layout: Layout, facts, phase: int, step: int, model=None) -> list | None:
         """Phase 0: dense parts; each compressed layer as P, Q of one rank ≤ min(rank, m, k)

@@ -12,7 +12,7 @@ These functions are the public way to check a strategy on your own model::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Mapping, Protocol, Sequence
 
 import torch
 import xxhash
@@ -27,6 +27,12 @@ from .probe import probe_layout
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class Decoding(Protocol):
+    """An update decoded one entry at a time: ``items()`` makes its ``(key, value)`` pairs."""
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]: ...
 
 
 @dataclass
@@ -131,20 +137,29 @@ def reference_update(
     return reference
 
 
-def apply_update(model: nn.Module, optimizer: torch.optim.Optimizer, update: dict[str, torch.Tensor]) -> None:
+def apply_update(model: nn.Module, optimizer: torch.optim.Optimizer, update: Mapping[str, torch.Tensor] | Decoding) -> None:
     """Step the optimizer with the update as every parameter's gradient (``canonical_step``:
-    in float64, rounded once), copy buffers."""
+    in float64, rounded once), copy buffers. ``update``: a dict, or anything whose ``items()``
+    makes the ``(key, value)`` pairs one at a time (``Strategy.decode_each``): each is applied
+    as it comes and then freed, with the dict's bits; a key that comes twice is refused."""
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
-    grads = {}
-    for key, value in update.items():
-        name, role = split_key(key)
-        if role == BUFFER_ROLE:
-            with torch.no_grad():
-                buffers[name].copy_(value)
-        else:
-            grads[params[key]] = value
-    canonical_step(optimizer, grads)
+
+    def grads(entries) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        seen = set()
+        for key, value in entries:
+            if key in seen:
+                raise ValueError(f"the update names {key!r} twice")
+            seen.add(key)
+            name, role = split_key(key)
+            if role == BUFFER_ROLE:
+                with torch.no_grad():
+                    buffers[name].copy_(value)
+            else:
+                yield params[key], value
+
+    # A dict's keys are all resolved before any parameter steps; pairs step as they come.
+    canonical_step(optimizer, list(grads(update.items())) if isinstance(update, Mapping) else grads(update.items()))
 
 
 def weights_fingerprint(model: nn.Module) -> str:

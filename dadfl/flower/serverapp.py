@@ -41,7 +41,7 @@ from dadfl.model_identity import identity_text
 from dadfl.protos.state import state_payload
 from dadfl.records import StepRecord
 from dadfl.report import write_plots
-from dadfl.replica import Replica, resolve_device
+from dadfl.replica import Decoded, Replica, resolve_device
 from dadfl.sanitize import one_line
 from dadfl.simulation import Progress, SimulationConfig, StrategySpec, run_directory
 from dadfl.strategies import Payload, make_strategy, weights_fingerprint
@@ -73,7 +73,7 @@ class StepResult:
     bytes_down: int
     phase_seconds: list[float]
     fingerprints: dict[int, str]  # by node id, after the step
-    update: dict[str, torch.Tensor]  # decoded from the messages as the nodes decode them, checked
+    update: Decoded  # decoded from the messages as the nodes decode them (again, a parameter at a time, when applied), checked
 
 
 class FlowerCoordinator:
@@ -214,7 +214,7 @@ class FlowerCoordinator:
             self.refuse(self.nodes[index], step, phase, reason)
         return payloads
 
-    def aggregate(self, step: int, payloads: list[Payload], messages: list[Payload]) -> tuple[Payload, Payload, dict]:
+    def aggregate(self, step: int, payloads: list[Payload], messages: list[Payload]) -> tuple[Payload, Payload, Decoded]:
         """The phase's message, as nodes receive it and the update it decodes to after this
         phase (``Screening.message``); a message that would fail at a node stops the run,
         naming the nodes whose uploads break it."""

@@ -47,7 +47,7 @@ import torch
 
 from dadfl.protos import tensor_pb2 as pb
 from dadfl.protos.codec import roundtrip
-from dadfl.replica import Replica
+from dadfl.replica import Decoded, Replica
 from dadfl.sanitize import printable
 from dadfl.strategies import Payload
 from dadfl.strategies.checks import ModelFacts, all_finite, check_update, finite_flags, influence_outliers
@@ -259,16 +259,18 @@ class Screening:
             "robust_disagreeing": [names[i] for i in weighed["disagreeing"]],
         }
 
-    def message(self, half: Any, payloads: Sequence[Payload], messages: Sequence[Payload], remember: bool = True) -> tuple[Payload, Payload, dict]:
+    def message(self, half: Any, payloads: Sequence[Payload], messages: Sequence[Payload], remember: bool = True) -> tuple[Payload, Payload, Decoded]:
         """Weigh, aggregate, and decode what sites will decode: (message, as sites receive it,
-        update after this phase). Raises when the message would fail at a site."""
+        update after this phase, decoded again when read). Raises when the message would fail at a site."""
         message = half.aggregate(self.weigh(payloads, messages, remember))
         sent = roundtrip(message, self.codec)
         for key, tensor in sent.tensors.items():
             if not all_finite(tensor):
                 raise ValueError(f"the aggregated {key!r} is not finite on the wire")
-        update = self.replica.decode([*messages, sent])
+        update = Decoded(self.replica, (*messages, sent))  # checked one parameter at a time, never held whole
         check_update(self.facts, update)
+        if remember:  # the phase's uploads are aggregated: their terms (and payloads) are not held further
+            self.measured = {}
         return message, sent, update
 
     def passes(self, start: dict, payloads: Sequence[Payload], messages: Sequence[Payload]) -> bool:

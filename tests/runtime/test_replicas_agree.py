@@ -15,11 +15,12 @@ import torch
 from dadfl.metrics import MetricsWriter, read_metrics
 from dadfl.protos.repair import apply_repair, block_hashes, repair_payload
 from dadfl.protos.state import state_payload
-from dadfl.replica import OptimizerConfig, Replica
+from dadfl.replica import Decoded, OptimizerConfig, Replica
 from dadfl.server import simulate_processes
 from dadfl.simulation import SimulationConfig, StrategySpec
 from dadfl.strategies import exchange, make_strategy, weights_fingerprint
 from dadfl.strategies.base import layer_gradient
+from dadfl.strategies.checks import ModelFacts, check_update
 from dadfl.strategies.payload import tensor_key
 from dadfl.workloads import load_workload
 
@@ -112,6 +113,42 @@ def test_a_replica_on_another_device_applies_steps_to_the_same_bits(name, device
         locals_ = [cpu.local(train.inputs[i : i + 16], train.targets[i : i + 16]) for i in (32 * step, 32 * step + 16)]
         messages, _ = exchange(sites, server, locals_, step)
         assert other.apply(messages) == cpu.apply(messages), f"step {step}"
+
+
+@pytest.mark.parametrize("optimizer", [OptimizerConfig(momentum=0.9, weight_decay=1e-3), OptimizerConfig(name="adam", lr=1e-3)], ids=["sgd", "adam"])
+@pytest.mark.parametrize("name", ["dsgd", "dad", "rankdad", "powersgd"])
+@pytest.mark.parametrize("spec", [("digits-mlp", {"hidden": 64}), ("char-transformer", {"d_model": 16, "layers": 1, "max_sequences": 64})], ids=lambda s: s[0])
+def test_an_update_applied_one_parameter_at_a_time_has_the_bits_of_the_whole_one(spec, name, optimizer):
+    """What a replica applies (``Decoded``: the messages decoded a parameter at a time, each
+    entry stepped and freed) ends on the bits of the whole decoded update; the transformer's
+    learned positions are a matrix rank-dAD compresses outside any captured layer."""
+    workload = load_workload(spec[0], **spec[1])
+    whole = Replica(workload, make_strategy(name), optimizer)
+    each = Replica(workload, make_strategy(name), optimizer)
+    each.load_weights_from(whole)
+    sites = [whole.strategy.site(whole.layout, whole.model) for _ in range(2)]
+    server = whole.strategy.server(whole.layout, whole.model)
+    train = workload.training_data()
+    for step in range(3):
+        locals_ = [whole.local(train.inputs[i : i + 8], train.targets[i : i + 8]) for i in (16 * step, 16 * step + 8)]
+        messages, _ = exchange(sites, server, locals_, step)
+        assert each.apply(messages) == whole.apply_update(whole.decode(messages)), f"step {step}"
+
+
+def test_an_update_that_names_a_parameter_twice_is_refused():
+    """A dict keeps a key's last value; entries made one at a time must not step a parameter
+    twice: the coordinator's message check refuses them before the message is sent."""
+    target = replica(hidden=8)
+    name, param = next(iter(target.model.named_parameters()))
+
+    class Twice:
+        def items(self):
+            return iter([(name, torch.ones_like(param)), (name, torch.ones_like(param))])
+
+    with pytest.raises(ValueError, match="twice"):
+        check_update(ModelFacts.from_model(target.model, target.layout), Twice())
+    with pytest.raises(ValueError, match="twice"):
+        target.apply_update(Twice())
 
 
 def test_float64_factors_are_multiplied_in_float64():
