@@ -66,6 +66,9 @@ The operator's stop (:meth:`StepLoop.request_stop`: SIGTERM, Ctrl-C, ``dadfl sto
 taken where the loop waits for a quorum, i.e. once the step under way has committed or
 aborted: the committed steps are checkpointed and every site is told why its stream
 ends. At the end the run folder gets ``summary.json`` and the plots ``dadfl sim`` writes.
+
+About 500 lines, one class: a step's phases, aborts, dones and strategy state are one state
+machine, read in one place.
 """
 
 from __future__ import annotations
@@ -321,10 +324,8 @@ class StepLoop:
             if len(uploads) < min_sites:
                 return self._abort(active, step, attempt, f"only {len(uploads)} of the {min_sites} sites needed sent phase {phase}")
             uploads.sort(key=lambda upload: upload[0].site_id)  # the server half sees sites in site-id order
-            nonfinite = await self._off_loop(
-                sum(u.payload.nbytes() for _, u in uploads), nonfinite_reasons,
-                [u.header.loss_sum for _, u in uploads], [u.payload for _, u in uploads],
-            )
+            nonfinite = await self._off_loop(sum(u.payload.nbytes() for _, u in uploads), nonfinite_reasons,
+                                             [u.header.loss_sum for _, u in uploads], [u.payload for _, u in uploads])
             if model_fault(len(nonfinite), len(uploads)):
                 finite = await asyncio.to_thread(weights_finite, self.replica.model)
                 self._stop_for_model(active, step, attempt, model_fault_reason(step, phase, list(nonfinite.values()), len(uploads), finite))
@@ -352,8 +353,7 @@ class StepLoop:
             if phase == 0:
                 samples = sum(u.payload.num_samples for _, u in uploads)
                 loss_sum = sum(u.header.loss_sum for _, u in uploads)
-            # The uploads are in the message now: not held while it is serialised and the sites
-            # answer (the next step's uploads arrive meanwhile); under dSGD each is model-sized.
+            # in the message now: not held while it is sent and answered (under dSGD each is model-sized)
             del events, uploads, screened, aggregated
             header, chunks = encode_chunks(message, self.codec, self.config.wire.chunk_bytes, kind=pb.PHASE, attempt=attempt)
             messages.append(sent)  # what every site decodes
