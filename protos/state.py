@@ -32,6 +32,19 @@ def state_payload(replica: Replica, next_step: int) -> Payload:
     return Payload(next_step, 0, 0, tensors)
 
 
+def full_state_bytes(replica: Replica) -> int:
+    """The tensor bytes of ``state_payload`` once the optimizer holds state for every parameter
+    (SGD with momentum: a buffer per parameter; Adam: two moments and a step counter; any
+    other optimizer counted as Adam): what a site joining after the first step must accept."""
+    optimizer = replica.optimizer
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if type(optimizer) is torch.optim.SGD:
+        per_parameter = [p.nbytes if group["momentum"] else 0 for group in optimizer.param_groups for p in group["params"]]
+    else:
+        per_parameter = [2 * p.nbytes + 8 for p in params]  # 8: a counter of up to 64 bits
+    return sum(t.nbytes for t in replica.model.state_dict().values()) + sum(per_parameter)
+
+
 def _check_entry(replica: Replica, params: list, key: str, shape: tuple[int, ...]) -> tuple[str, int | None, str]:
     """Where a state tensor goes: ``("model", None, name)`` or ``("optim", index, name)``; a
     ValueError naming what does not fit this replica (a tensor the model lacks, a shape,

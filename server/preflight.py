@@ -21,18 +21,35 @@ from dadfl.workloads import load_workload
 from .config import ServerConfig
 from .enrol import check_tokens_file
 from dadfl.privacy.coordinator import ServerPrivacy
+from dadfl.protos.state import full_state_bytes
 
 
 def build_replica(config: ServerConfig) -> Replica:
     """The coordinator's replica, built as the run builds it; ValueError naming the workload
-    and the strategy when it cannot be (the workload's own code may raise anything)."""
+    and the strategy when it cannot be (the workload's own code may raise anything), or when
+    its full state would not fit a payload (:func:`check_state_fits`)."""
     workload = config.workload
     try:
         built = load_workload(workload.spec, workload.path, **workload.options, **workload.coordinator_options)
         strategy = make_strategy(config.strategy.name, **config.strategy.options)
-        return Replica(built, strategy, config.optimizer, probe=True, precision=config.training.precision)
+        replica = Replica(built, strategy, config.optimizer, probe=True, precision=config.training.precision)
     except Exception as exc:
         raise ValueError(f"workload {workload.spec!r} with strategy {config.strategy.name!r} cannot run: {exc}") from None
+    check_state_fits(config, replica)
+    return replica
+
+
+def check_state_fits(config: ServerConfig, replica: Replica) -> None:
+    """A site that joins or falls behind after the first step receives the full state (weights
+    and optimizer state) as one payload; a state over ``wire.max_payload_bytes`` could never
+    reach it (it would retry until it gave up), so the run is refused before it starts."""
+    needed = full_state_bytes(replica)
+    if needed > config.wire.max_payload_bytes:
+        raise ValueError(
+            f"the model's full state (weights and {config.optimizer.name} state) takes {needed:,} bytes, more than "
+            f"wire.max_payload_bytes ({config.wire.max_payload_bytes:,}): a site joining after the first step could not "
+            f"receive it; raise wire.max_payload_bytes, and limits.max_payload_bytes in the sites' configs, to at least {needed:,}"
+        )
 
 
 def check_workload(config: ServerConfig) -> str:

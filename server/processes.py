@@ -33,6 +33,12 @@ class ProcessFailed(RuntimeError):
     """A coordinator or site process of the simulation exited with an error."""
 
 
+# Every process of a simulation is the user's own, on one machine: the payload bound is there
+# to stop a peer's claims, so here it only has to admit the largest full state (a 100M-parameter
+# model with Adam's moments is 1.2 GB, over the 1 GiB default).
+SIMULATION_PAYLOAD_BYTES = 1 << 36
+
+
 def _toml_value(value: Any) -> str:
     return json.dumps(value) if not isinstance(value, dict) else "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
 
@@ -81,6 +87,7 @@ def simulation_configs(config: SimulationConfig, spec: StrategySpec, folder: Pat
             "optimizer": config.optimizer.model_dump(),
             "training": {"steps": config.steps, "batch_size": config.batch_size, "eval_every": config.eval_every, "checkpoint_every": 0,
                          "precision": config.precision},
+            "wire": {"max_payload_bytes": SIMULATION_PAYLOAD_BYTES},
             "federation": {
                 "min_sites": config.sites, "initial_sites": config.sites, "linger_s": 0,
                 "clip_ratio": config.clip_ratio, "agreement": config.agreement, "phase_timeout_s": config.phase_timeout_s,
@@ -100,6 +107,7 @@ def simulation_configs(config: SimulationConfig, spec: StrategySpec, folder: Pat
                     "allowed_workloads": [config.workload],  # the simulation's own workload, built-in or not
                     "device": (site_devices or {}).get(index, config.device),
                     "threads": config.threads,
+                    "limits": {"max_payload_bytes": SIMULATION_PAYLOAD_BYTES},
                     "workload_path": [str(p.resolve()) for p in config.workload_path],
                     # sites start with the coordinator and retry until it listens
                     "connect": {"server": site_address or address, "backoff_initial_s": 0.2, "backoff_max_s": 1.0, "max_attempts": 100},

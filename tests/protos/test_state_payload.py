@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dadfl.protos.state import load_state, state_payload
+from dadfl.protos.codec import encode_header
+from dadfl.protos.state import full_state_bytes, load_state, state_payload
 from dadfl.replica import OptimizerConfig, Replica
 from dadfl.strategies import Payload, make_strategy, weights_fingerprint
 from dadfl.workloads import load_workload
@@ -43,3 +44,17 @@ def test_a_full_state_loads_exactly_and_what_does_not_fit_is_refused_untouched()
     for index, entries in source.optimizer.state_dict()["state"].items():
         for name, value in entries.items():
             assert torch.equal(target.optimizer.state_dict()["state"][index][name], value)
+
+
+@pytest.mark.parametrize("optimizer", [OptimizerConfig(name="sgd", lr=0.1), OptimizerConfig(name="sgd", lr=0.1, momentum=0.9), OptimizerConfig(name="adam", lr=0.01)], ids=["sgd", "momentum", "adam"])
+def test_the_full_state_bound_holds_the_state_a_step_leaves(optimizer):
+    """Counted before the first step (no optimizer state yet), it covers the state after it."""
+    built = Replica(load_workload("digits-mlp", hidden=16, seed=0), make_strategy("dsgd"), optimizer)
+    bound = full_state_bytes(built)
+    empty = encode_header(state_payload(built, 0))[0].total_bytes
+    for param in built.model.parameters():
+        param.grad = torch.ones_like(param)
+    built.optimizer.step()
+    after = encode_header(state_payload(built, 1))[0].total_bytes
+    assert empty <= after <= bound <= after + 8 * len(list(built.model.parameters()))
+    assert (after > empty) == (optimizer.name == "adam" or optimizer.momentum > 0)

@@ -19,6 +19,7 @@ from dadfl.protos.state_file import verify as verify_state_file
 from dadfl.server import checkpoint
 from dadfl.server.coordinator import StoppedByOperator
 from dadfl.server.enrol import enroll
+from dadfl.server.preflight import build_replica
 from dadfl.server.runtime import serve
 from tests.helpers.network import SiteThread, dadfl_command, free_port, server_config, site_config, write_toml
 
@@ -100,6 +101,15 @@ def test_server_check_and_enroll_refuse_a_workload_that_cannot_run(tmp_path):
         assert process.returncode == 2 and "neither example_input nor training data" in output, (command, output)
     assert "site-a" not in config.listen.tokens.read_text()  # no token issued for a run that cannot start
     assert not (tmp_path / "run" / "status.json").exists()  # --check wrote nothing
+
+
+def test_a_full_state_over_the_payload_bound_is_refused_before_the_run_starts(tmp_path):
+    """A site joining after the first step could never receive it: said at start, with the fix."""
+    config = server_config(tmp_path, optimizer={"name": "adam", "lr": 0.01}, wire={"max_payload_bytes": 8192})
+    with pytest.raises(ValueError, match=r"full state \(weights and adam state\) takes [\d,]+ bytes, more than wire\.max_payload_bytes "
+                                         r"\(8,192\).*limits\.max_payload_bytes in the sites' configs"):
+        build_replica(config)
+    build_replica(server_config(tmp_path, optimizer={"name": "adam", "lr": 0.01}))  # the default bound holds it
 
 
 @pytest.mark.network
