@@ -20,11 +20,11 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(BIN)/dadfl sim
 
-# One worker per core and one more (many tests wait on processes and sockets, leaving a core
-# idle); tests go to whichever worker is free, in collection order (xdist's own order puts the
-# largest groups first), except those sharing a module- or class-scoped fixture, which stay on
-# one worker (tests/conftest.py marks them, and puts the slow tests' files first).
-TEST_WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
+# One worker per core (a third worker on 2 cores cost more CPU than it saved waiting); tests go
+# to whichever worker is free, in collection order (xdist's own order puts the largest groups
+# first), except those sharing a module- or class-scoped fixture, which stay on one worker
+# (tests/conftest.py marks them, and puts the slow tests' files first).
+TEST_WORKERS ?= auto
 test: setup
 	FLWR_TELEMETRY_ENABLED=0 $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 

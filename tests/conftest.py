@@ -1,6 +1,6 @@
 """Shared by every test folder: how ``make test`` spreads the tests over workers.
 
-``make test`` runs ``pytest -n <cores + 1> --dist loadgroup --no-loadscope-reorder``: tests go one by one
+``make test`` runs ``pytest -n auto --dist loadgroup --no-loadscope-reorder``: tests go one by one
 to whichever worker is free, in collection order, except those that share a fixture wider than
 a test (module or class scope: a suite run once, a server started once), which stay together on
 one worker so that it is built once. The files that hold ``slow`` tests are collected first, so
