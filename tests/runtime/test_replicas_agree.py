@@ -15,7 +15,7 @@ import torch
 from dadfl.metrics import MetricsWriter, read_metrics
 from dadfl.protos.repair import apply_repair, block_hashes, repair_payload
 from dadfl.protos.state import state_payload
-from dadfl.replica import Decoded, OptimizerConfig, Replica
+from dadfl.replica import OptimizerConfig, Replica
 from dadfl.server import simulate_processes
 from dadfl.simulation import SimulationConfig, StrategySpec
 from dadfl.strategies import exchange, make_strategy, weights_fingerprint
