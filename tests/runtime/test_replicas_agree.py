@@ -106,13 +106,19 @@ def test_a_replica_on_another_device_applies_steps_to_the_same_bits(name, device
     cpu = Replica(workload, make_strategy(name), OptimizerConfig(momentum=0.9, weight_decay=1e-3))
     other = Replica(workload, make_strategy(name), OptimizerConfig(momentum=0.9, weight_decay=1e-3), device=torch.device(device))
     other.load_weights_from(cpu)
-    sites = [cpu.strategy.site(cpu.layout, cpu.model) for _ in range(2)]
-    server = cpu.strategy.server(cpu.layout, cpu.model)
-    train = workload.training_data()
-    for step in range(3):
-        locals_ = [cpu.local(train.inputs[i : i + 16], train.targets[i : i + 16]) for i in (32 * step, 32 * step + 16)]
-        messages, _ = exchange(sites, server, locals_, step)
+    for step, messages in two_sites_steps(cpu, batch=16):
         assert other.apply(messages) == cpu.apply(messages), f"step {step}"
+
+
+def two_sites_steps(replica: Replica, batch: int, steps: int = 3):
+    """(step, messages) of two sites with consecutive batches of ``replica``'s training data,
+    computed on ``replica``'s weights: the caller applies each step before the next is made."""
+    sites = [replica.strategy.site(replica.layout, replica.model) for _ in range(2)]
+    server = replica.strategy.server(replica.layout, replica.model)
+    train = replica.workload.training_data()
+    for step in range(steps):
+        locals_ = [replica.local(train.inputs[i : i + batch], train.targets[i : i + batch]) for i in (2 * batch * step, (2 * step + 1) * batch)]
+        yield step, exchange(sites, server, locals_, step)[0]
 
 
 @pytest.mark.parametrize("optimizer", [OptimizerConfig(momentum=0.9, weight_decay=1e-3), OptimizerConfig(name="adam", lr=1e-3)], ids=["sgd", "adam"])
@@ -126,12 +132,7 @@ def test_an_update_applied_one_parameter_at_a_time_has_the_bits_of_the_whole_one
     whole = Replica(workload, make_strategy(name), optimizer)
     each = Replica(workload, make_strategy(name), optimizer)
     each.load_weights_from(whole)
-    sites = [whole.strategy.site(whole.layout, whole.model) for _ in range(2)]
-    server = whole.strategy.server(whole.layout, whole.model)
-    train = workload.training_data()
-    for step in range(3):
-        locals_ = [whole.local(train.inputs[i : i + 8], train.targets[i : i + 8]) for i in (16 * step, 16 * step + 8)]
-        messages, _ = exchange(sites, server, locals_, step)
+    for step, messages in two_sites_steps(whole, batch=8):
         assert each.apply(messages) == whole.apply_update(whole.decode(messages)), f"step {step}"
 
 
