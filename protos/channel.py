@@ -16,6 +16,10 @@ def channel_options(chunk_bytes: int) -> list[tuple[str, int]]:
         ("grpc.max_send_message_length", limit),
         ("grpc.keepalive_time_ms", 20_000),
         ("grpc.keepalive_timeout_ms", 10_000),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+        # gRPC core's GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS: a server that hears
+        # pings closer than this while it sends nothing counts strikes and, after two, ends the
+        # connection (GOAWAY "too_many_pings"). Its default, 5 minutes, would end a site's
+        # stream during any step that keeps the coordinator silent for a minute (a 100M model).
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ("grpc.keepalive_permit_without_calls", 1),
     ]
