@@ -37,6 +37,11 @@ class ProcessFailed(RuntimeError):
 # to stop a peer's claims, so here it only has to admit the largest full state (a 100M-parameter
 # model with Adam's moments is 1.2 GB, over the 1 GiB default).
 SIMULATION_PAYLOAD_BYTES = 1 << 36
+# A site of a simulation retries until the coordinator listens, for as long as it builds its model;
+# one still running this long after the coordinator finished has nothing left to join.
+SITE_CONNECT_ATTEMPTS = 1_000_000
+SITE_GIVE_UP_S = 24 * 3600.0
+SITE_LINGER_S = 60.0
 
 
 def _toml_value(value: Any) -> str:
@@ -109,8 +114,13 @@ def simulation_configs(config: SimulationConfig, spec: StrategySpec, folder: Pat
                     "threads": config.threads,
                     "limits": {"max_payload_bytes": SIMULATION_PAYLOAD_BYTES},
                     "workload_path": [str(p.resolve()) for p in config.workload_path],
-                    # sites start with the coordinator and retry until it listens
-                    "connect": {"server": site_address or address, "backoff_initial_s": 0.2, "backoff_max_s": 1.0, "max_attempts": 100},
+                    # sites start with the coordinator and retry until it listens, however long it
+                    # builds its model (minutes at 100M parameters on a busy machine): the harness
+                    # stops them when the coordinator fails or has finished (``_follow``)
+                    "connect": {
+                        "server": site_address or address, "backoff_initial_s": 0.2, "backoff_max_s": 1.0,
+                        "max_attempts": SITE_CONNECT_ATTEMPTS, "give_up_after_s": SITE_GIVE_UP_S,
+                    },
                     "data": {
                         "source": "partition", "scheme": config.partition, "site_index": index,
                         "num_sites": config.sites, "alpha": config.alpha, "seed": config.seed,
@@ -164,11 +174,17 @@ def simulate_processes(
 
 
 def _follow(path: Path, processes: dict, logs: dict, metrics: MetricsWriter, progress) -> None:
-    """Copy records as the coordinator writes them, until every process has exited."""
+    """Copy records as the coordinator writes them, until every process has exited.
+
+    Raises :class:`ProcessFailed` when a process exits with an error, or a site is still running
+    ``SITE_LINGER_S`` after the coordinator finished (the caller then stops every process)."""
     offset = 0
+    coordinator_done_at = None
     while True:
         running = [name for name, p in processes.items() if p.poll() is None]
         failed = [name for name, p in processes.items() if p.returncode not in (None, 0)]
+        if processes["coordinator"].returncode == 0 and coordinator_done_at is None:
+            coordinator_done_at = time.monotonic()
         if path.exists():
             with path.open() as file:
                 file.seek(offset)
@@ -183,6 +199,9 @@ def _follow(path: Path, processes: dict, logs: dict, metrics: MetricsWriter, pro
         if failed:
             name = failed[0]
             raise ProcessFailed(f"{name} exited with {processes[name].returncode}:\n{logs[name].read_text()[-3000:]}")
+        if running and coordinator_done_at is not None and time.monotonic() - coordinator_done_at > SITE_LINGER_S:
+            name = running[0]
+            raise ProcessFailed(f"{name} was still running {SITE_LINGER_S:.0f} s after the coordinator finished:\n{logs[name].read_text()[-3000:]}")
         if not running:
             return
         time.sleep(POLL_S)
