@@ -155,11 +155,6 @@ class Strategy:
     has_local_steps: ClassVar[bool] = False
     # phases: the most upload phases one step takes (PowerSGD: P, then Q).
     phases: ClassVar[int] = 1
-    # Whether honest sites' uploads point the same way, so that the robust rule may weigh
-    # sites by their agreement with the others (``robust.py``); False where the strategy's
-    # uploads carry per-site memories that pull apart by construction.
-    uploads_agree = True
-
     def site(self, layout: Layout, model: nn.Module | None = None) -> SiteHalf:  # pragma: no cover
         raise NotImplementedError
 
@@ -223,6 +218,13 @@ class Strategy:
         floating buffers'). Norms and the inner products between sites (``gram.gram``) are
         computed from them without forming ΔᵀA."""
         return layerwise_terms(layout, payload)
+
+    def agreement_terms(self, layout: Layout, terms: dict, step: int, phase: int) -> dict:
+        """The part of one site's update ``terms`` (:meth:`terms`) on which the robust rule weighs
+        agreement (``robust.py``): all of it, as honest sites' uploads point the same way. A
+        strategy whose uploads carry per-site memories that pull apart by construction leaves
+        those terms out (PowerSGD's P_s); with none left the phase is clipped only."""
+        return terms
 
     def contribution(
         self, layout: Layout, payload: Payload, messages_so_far: Sequence[Payload], model: nn.Module | None = None

@@ -207,18 +207,22 @@ class Screening:
             return list(payloads)
         strategy, layout = self.strategy, self.replica.layout
         terms = [self._update_terms(payload, messages) for payload in payloads]
-        agreement = self.agreement and strategy.uploads_agree and len(payloads) <= MAX_AGREEMENT_SITES
-        G = None
+        step, phase = payloads[0].step, payloads[0].phase
+        agreement = self.agreement and len(payloads) <= MAX_AGREEMENT_SITES
+        agreeing = [strategy.agreement_terms(layout, site_terms, step, phase) for site_terms in terms] if agreement else terms
+        agreement = agreement and any(agreeing)
+        G, sq_norms_ = None, None
         if agreement:
             try:
-                G = gram(terms)
+                G = gram(agreeing)
             except UnpairedForms as exc:  # exact or nothing: this step is clipped only
-                log.warning("step %d phase %d: no agreement weights (%s)", payloads[0].step, payloads[0].phase, exc)
+                log.warning("step %d phase %d: no agreement weights (%s)", step, phase, exc)
                 agreement = False
         if G is None:
             G = torch.diag(torch.tensor(self._sq_norms(payloads, terms), dtype=torch.float64))
-        weights = robust_weights(G, self.clip_ratio, agreement)
-        step, phase = payloads[0].step, payloads[0].phase
+        elif any(part is not whole for part, whole in zip(agreeing, terms)):  # the clip reads whole updates
+            sq_norms_ = self._sq_norms(payloads, terms)
+        weights = robust_weights(G, self.clip_ratio, agreement, sq_norms=sq_norms_)
         factors = weights.factors
         earlier = self.weighed if phase > 0 and self.weighed.get("step") == step else None
         if earlier is not None and len(earlier["factors"]) == len(factors):

@@ -223,9 +223,9 @@ def test_one_dimensional_and_small_tensors_go_dense():
     _, _, layout, _, messages, _ = exchange_once(strategy)
     p_keys = {k for k in messages[0].tensors if k.endswith(":P")}
     assert p_keys == {"1.weight:P", "3.weight:P"}, "5.weight (5 × 16) does not pay at rank 2, rate 2"
-    for name in ("1.bias", "3.bias", "5.bias", "5.weight"):
-        assert f"{name}:grad" in messages[0].tensors
-    assert set(messages[1].tensors) == {"1.weight:Q", "3.weight:Q"}
+    assert set(messages[0].tensors) == p_keys, "phase 0: P only"
+    dense = {f"{name}:grad" for name in ("1.bias", "3.bias", "5.bias", "5.weight")}
+    assert set(messages[1].tensors) == {"1.weight:Q", "3.weight:Q"} | dense, "phase 1: Q and the dense gradients"
 
 
 def test_bytes_match_formula_and_two_phases():
@@ -236,8 +236,8 @@ def test_bytes_match_formula_and_two_phases():
     assert warmup.up == [[FLOAT * dense] * 3] and warmup.down == [FLOAT * dense], "warm-up: dSGD, one phase"
 
     *_, traffic = exchange_once(strategy, step=1)
-    phase0 = 2 * 16 + 2 * 16 + (16 + 16 + 5 * 16 + 5)  # P of both, the rest dense
-    phase1 = 2 * 12 + 2 * 16  # Q of both
+    phase0 = 2 * 16 + 2 * 16  # P of both
+    phase1 = 2 * 12 + 2 * 16 + (16 + 16 + 5 * 16 + 5)  # Q of both, the rest dense
     assert traffic.up == [[FLOAT * phase0] * 3, [FLOAT * phase1] * 3]
     assert traffic.down == [FLOAT * phase0, FLOAT * phase1]
     compressed_per_site = 2 * (16 + 12) + 2 * (16 + 16)  # r·(n + m) each
