@@ -226,6 +226,13 @@ class Strategy:
         those terms out (PowerSGD's P_s); with none left the phase is clipped only."""
         return terms
 
+    def chooses_basis(self, step: int, phase: int) -> bool:
+        """Whether ``phase`` of ``step`` only chooses a basis: its aggregate is orthonormalised
+        (PowerSGD's P̂ = orth(Σ P_s)), so scaling a site there changes its share of the
+        directions, never the step's size. The robust rule then clips every site to the median
+        of the others' norms (``robust.BASIS_CLIP_RATIO``) and those factors bound no later phase."""
+        return False
+
     def contribution(
         self, layout: Layout, payload: Payload, messages_so_far: Sequence[Payload], model: nn.Module | None = None
     ) -> dict[str, float]:

@@ -507,6 +507,12 @@ class PowerSGD(Strategy):
         compressed = {m.name for m in plan(layout, self.rank, self.min_compression_rate, self.raw_input).matrices}
         return {name: held for name, held in terms.items() if name not in compressed}
 
+    def chooses_basis(self, step: int, phase: int) -> bool:
+        """Phase 0 of a compressed step: P̂ = orth(Σ_s (n_s/N) P_s) is orthonormalised, so a
+        site's factor there sets its share of the basis, not the step's size (the coordinator
+        clips every P_s to the others' median norm, docs/robustness.md)."""
+        return phase == 0 and self.compresses(step)
+
     # P_s in phase 0, Q_s in phase 1: the update P̂ Qᵀ is linear in each site's Q_s.
     SCALED_ROLES = frozenset({GRAD_ROLE, "P", "P_scale", "Q", "Q_scale"})
 
