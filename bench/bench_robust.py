@@ -23,7 +23,8 @@ strategy and attack: final test accuracy, that of the 3 honest sites alone (``cl
 the attacker's refusals, the fraction of steps where the attacker's factor was below 1,
 honest refusals, the fraction of honest (site, step) pairs with a factor below 1, and the
 fractions of steps where some honest site was clipped, zeroed by the agreement rule, or
-either (the step is then not plain averaging).
+either (the step is then not plain averaging), and where some honest site was clipped in a
+phase that only chooses a basis (PowerSGD's P_s: ``Strategy.chooses_basis``).
 The ``clean4`` row is 4 honest sites (the 4th counted as the attacker's column): the
 clean runs' rates.
 ``--clip-ratio``/``--no-agreement`` change the rule; ``--off`` runs without it (the table

@@ -55,15 +55,18 @@ d_s ← d_s + (g_s − ḡ) is a random walk of the site's gradient noise that n
 d_s ← (I − P̂ P̂ᵀ)(d_s + g_s − ḡ): each step removes the deviation along the basis P̂, so
 Q_s = M_sᵀ P̂ carries this step's gradient noise and not the sum of the past ones, and
 honest sites' Q_s agree as dSGD's gradients do. That is what lets the coordinator's
-robust rule weigh sites by agreement in phase 1 (``agreement_terms``; docs/robustness.md):
-a site's P_s still carries d_s (it is clipped only), but the basis alone cannot turn the
-update against the honest sites (P̂ P̂ᵀ M̄ never points against M̄); Q_s, which can, is
-weighed. Costs of ``"site"``: a site's memory does not keep what the coordinator's robust
-rule removed from its upload (a clipped or zeroed site's part is dropped, not carried to
-later steps, as ``"global"`` would), nor the rounding of the aggregated Q on its way down
-with ``factor_bits`` (the rounding of its own Q_s it does keep). Use ``"global"`` to
-match ``powerSGD_hook`` to fp32 rounding over many steps or where the robust rule is off
-and every last rounding should be carried; the coordinator then clips PowerSGD only.
+robust rule weigh sites by agreement in phase 1, on Q_s and the dense tensors that travel
+with it (``agreement_terms``; docs/robustness.md). A site's P_s still carries d_s outside
+the basis, so it is never weighed by agreement; P̂ = orth(Σ P_s) is orthonormalised, so the
+coordinator clips every P_s to the others' median norm at no cost to the step's size
+(``chooses_basis``), and a basis alone cannot turn the update against the honest sites
+(P̂ P̂ᵀ M̄ never points against M̄). Costs of ``"site"``: a site's memory does not keep
+what the coordinator's robust rule removed from its Q_s (a clipped or zeroed site's part is
+dropped, where ``"global"`` would carry it to later steps), nor, with ``factor_bits``, the
+rounding of the aggregated Q on its way down (the rounding of its own Q_s it keeps). Use
+``"global"`` to keep the hook's memory exactly (its rounding over many steps, every last
+rounding carried); the coordinator then weighs agreement on the dense tensors only and
+clips Q_s. The option is the coordinator's published strategy config, checked here.
 
 Integer factors (``factor_bits`` 8 or 16, error feedback only): every P and Q, up and
 down, travels as integer codes with one float scale per column (``quantize.py``), a
