@@ -65,8 +65,8 @@ what the coordinator's robust rule removed from its Q_s (a clipped or zeroed sit
 dropped, where ``"global"`` would carry it to later steps), nor, with ``factor_bits``, the
 rounding of the aggregated Q on its way down (the rounding of its own Q_s it keeps). Use
 ``"global"`` to keep the hook's memory exactly (its rounding over many steps, every last
-rounding carried); the coordinator then weighs agreement on the dense tensors only and
-clips Q_s. The option is the coordinator's published strategy config, checked here.
+rounding carried); the coordinator then clips PowerSGD only, as it did before the site
+memory. The option is the coordinator's published strategy config, checked here.
 
 Integer factors (``factor_bits`` 8 or 16, error feedback only): every P and Q, up and
 down, travels as integer codes with one float scale per column (``quantize.py``), a
@@ -500,21 +500,22 @@ class PowerSGD(Strategy):
         """Dense warm-up steps and steps without error feedback: every term (no memory). With
         error feedback, never P_s = M_s Q (phase 0): it carries the site's deviation
         d_s = M_s − M̄, which with either memory accumulates gradient noise outside the basis,
-        so honest sites push back on each other's P_s (docs/robustness.md); the basis P̂ it
-        gives can slow the step but not turn it (P̂ P̂ᵀ M̄ never points against M̄). Phase 1:
-        the dense gradients, and with ``memory="site"`` every Q_s = M_sᵀ P̂ too, which then
-        carries no past noise along P̂ (module text) so honest Q_s agree; with ``"global"``
-        the random walk is in Q_s as well: the dense gradients only."""
-        if not self.use_error_feedback or not self.compresses(step) or (phase == 1 and self.memory == "site"):
+        so honest sites push back on each other's P_s (docs/robustness.md). Phase 1 with
+        ``memory="site"``: Q_s = M_sᵀ P̂, which then carries no past noise along P̂ (module
+        text), and the dense gradients that travel with it. With ``"global"`` the random walk
+        is in Q_s too, and the biases alone disagree too often to be weighed apart (honest
+        sites zeroed in a quarter of clean steps): clipped only."""
+        if not self.use_error_feedback or not self.compresses(step):
             return terms
-        compressed = {m.name for m in plan(layout, self.rank, self.min_compression_rate, self.raw_input).matrices}
-        return {name: held for name, held in terms.items() if name not in compressed}
+        return terms if phase == 1 and self.memory == "site" else {}
 
     def chooses_basis(self, step: int, phase: int) -> bool:
-        """Phase 0 of a compressed step: P̂ = orth(Σ_s (n_s/N) P_s) is orthonormalised, so a
-        site's factor there sets its share of the basis, not the step's size (the coordinator
-        clips every P_s to the others' median norm, docs/robustness.md)."""
-        return phase == 0 and self.compresses(step)
+        """Phase 0 of a compressed step with the site memory: P̂ = orth(Σ_s (n_s/N) P_s) is
+        orthonormalised, so a site's factor there sets its share of the basis, not the step's
+        size (the coordinator clips every P_s to the others' median norm, docs/robustness.md).
+        Without error feedback or with ``"global"``, P_s is weighed as any phase (its factor
+        binds Q_s), as measured there."""
+        return phase == 0 and self.compresses(step) and self.use_error_feedback and self.memory == "site"
 
     # P_s in phase 0, Q_s in phase 1: the update P̂ Qᵀ is linear in each site's Q_s.
     SCALED_ROLES = frozenset({GRAD_ROLE, "P", "P_scale", "Q", "Q_scale"})
