@@ -219,12 +219,12 @@ class Strategy:
         computed from them without forming ΔᵀA."""
         return layerwise_terms(layout, payload)
 
-    def agreement_terms(self, layout: Layout, terms: dict, step: int, phase: int) -> dict:
-        """The part of one site's update ``terms`` (:meth:`terms`) on which the robust rule weighs
-        agreement (``robust.py``): all of it, as honest sites' uploads point the same way. A
-        strategy whose uploads carry per-site memories that pull apart by construction leaves
-        those terms out (PowerSGD's P_s); with none left the phase is clipped only."""
-        return terms
+    def uploads_agree(self, step: int, phase: int) -> bool:
+        """Whether honest sites' uploads of ``phase`` of ``step`` point the same way, so that the
+        robust rule may weigh sites by their agreement with the others (``robust.py``); False
+        where they carry per-site memories that pull apart by construction (PowerSGD's P_s):
+        that phase is then clipped only."""
+        return True
 
     def chooses_basis(self, step: int, phase: int) -> bool:
         """Whether ``phase`` of ``step`` only chooses a basis: its aggregate is orthonormalised

@@ -56,7 +56,7 @@ d_s ← (I − P̂ P̂ᵀ)(d_s + g_s − ḡ): each step removes the deviation a
 Q_s = M_sᵀ P̂ carries this step's gradient noise and not the sum of the past ones, and
 honest sites' Q_s agree as dSGD's gradients do. That is what lets the coordinator's
 robust rule weigh sites by agreement in phase 1, on Q_s and the dense tensors that travel
-with it (``agreement_terms``; docs/robustness.md). A site's P_s still carries d_s outside
+with it (``uploads_agree``; docs/robustness.md). A site's P_s still carries d_s outside
 the basis, so it is never weighed by agreement; P̂ = orth(Σ P_s) is orthonormalised, so the
 coordinator clips every P_s to the others' median norm at no cost to the step's size
 (``chooses_basis``), and a basis alone cannot turn the update against the honest sites
@@ -79,7 +79,7 @@ Cost per compressed matrix (floats, r = min(rank, n, m)), two round trips per st
     up   = r·(n + m)   per site (r·n in phase 0, r·m in phase 1)
     down = r·(n + m)   (P̂, then Q)
 Dense tensors: numel both ways, in phase 1 (with Q_s, so that the coordinator weighs them
-with it: ``agreement_terms``). Warm-up steps: dSGD's cost, one phase.
+with it: ``uploads_agree``). Warm-up steps: dSGD's cost, one phase.
 
 Raw input (``raw_input``, the policy rank-dAD follows, ``base.low_rank_allowed``): with
 "low_rank" (the default) or "activations" every matrix is compressed as above; with
@@ -481,8 +481,8 @@ class PowerSGD(Strategy):
 
     def terms(self, layout: Layout, payload: Payload, messages_so_far, model=None) -> tuple[dict, dict]:
         """Mean units: P_s (phase 0); Q_s and dense gradients / n_s (phase 1; warm-up steps:
-        phase 0). P_s = M_s Q and Q_s = M_sᵀ P̂ project on one orthonormal basis shared by every site, so inner products
-        of the projected updates are those of P_s (of Q_s): Dense terms."""
+        phase 0). P_s = M_s Q and Q_s = M_sᵀ P̂ project on one orthonormal basis shared by
+        every site, so inner products of the projected updates are those of P_s (of Q_s): Dense terms."""
         payload = unpack(payload)
         w = 1.0 / payload.num_samples
         update, buffers = {}, {}
@@ -496,9 +496,9 @@ class PowerSGD(Strategy):
                 update[name] = [Dense(tensor)]
         return update, buffers
 
-    def agreement_terms(self, layout: Layout, terms: dict, step: int, phase: int) -> dict:
-        """Dense warm-up steps and steps without error feedback: every term (no memory). With
-        error feedback, never P_s = M_s Q (phase 0): it carries the site's deviation
+    def uploads_agree(self, step: int, phase: int) -> bool:
+        """Dense warm-up steps and steps without error feedback: yes (no memory). With error
+        feedback, never P_s = M_s Q (phase 0): it carries the site's deviation
         d_s = M_s − M̄, which with either memory accumulates gradient noise outside the basis,
         so honest sites push back on each other's P_s (docs/robustness.md). Phase 1 with
         ``memory="site"``: Q_s = M_sᵀ P̂, which then carries no past noise along P̂ (module
@@ -506,8 +506,8 @@ class PowerSGD(Strategy):
         is in Q_s too, and the biases alone disagree too often to be weighed apart (honest
         sites zeroed in a quarter of clean steps): clipped only."""
         if not self.use_error_feedback or not self.compresses(step):
-            return terms
-        return terms if phase == 1 and self.memory == "site" else {}
+            return True
+        return phase == 1 and self.memory == "site"
 
     def chooses_basis(self, step: int, phase: int) -> bool:
         """Phase 0 of a compressed step with the site memory: P̂ = orth(Σ_s (n_s/N) P_s) is

@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -94,22 +93,15 @@ def robust_weights(
     clip_ratio: float | None = DEFAULT_CLIP_RATIO,
     agreement: bool = True,
     agreement_margin: float = DEFAULT_AGREEMENT_MARGIN,
-    sq_norms: Sequence[float] | None = None,
 ) -> Weights:
-    """The rule above on the Gram matrix ``G``; ``clip_ratio`` None or 0: no clipping.
-    ``sq_norms``: the squared norms of the sites' whole updates, which the clip reads, where
-    ``G`` covers only the part of them agreement is weighed on (``Strategy.agreement_terms``);
-    None: G's diagonal. Agreement then runs on G alone, its entries scaled by the clip."""
+    """The rule above on the Gram matrix ``G``; ``clip_ratio`` None or 0: no clipping."""
     S = G.shape[0]
     if not bool(torch.isfinite(G).all()):
         raise ValueError("the sites' Gram matrix is not finite")
     # Python floats: the agreement loops read every entry, some many times; clipping alone reads
     # the diagonal (S² entries as floats cost a thousand sites 60 ms a step)
     inner = G.tolist() if agreement else None
-    whole = G.diagonal().tolist() if sq_norms is None else list(sq_norms)
-    if not all(math.isfinite(value) for value in whole):
-        raise ValueError("the sites' update norms are not finite")
-    norms = [math.sqrt(max(value, 0.0)) for value in whole]
+    norms = [math.sqrt(max(value, 0.0)) for value in G.diagonal().tolist()]
     clip = [1.0] * S
     if clip_ratio and S >= 2:
         for i, reference in enumerate(medians_of_the_others(norms)):
@@ -118,7 +110,7 @@ def robust_weights(
     disagreeing: list[int] = []
     if agreement:
         clipped = [[clip[i] * clip[j] * inner[i][j] for j in range(S)] for i in range(S)]
-        remaining = [i for i in range(S) if inner[i][i] > 0]  # a site that adds nothing pushes nowhere
+        remaining = [i for i in range(S) if norms[i]]  # a site that adds nothing pushes nowhere
         while len(remaining) >= 3:
             push = _push_backs(clipped, remaining)
             worst = max(remaining, key=lambda i: (push[i], -i))

@@ -210,23 +210,19 @@ class Screening:
         strategy, layout = self.strategy, self.replica.layout
         terms = [self._update_terms(payload, messages) for payload in payloads]
         step, phase = payloads[0].step, payloads[0].phase
-        agreement = self.agreement and len(payloads) <= MAX_AGREEMENT_SITES
-        agreeing = [strategy.agreement_terms(layout, site_terms, step, phase) for site_terms in terms] if agreement else terms
-        agreement = agreement and any(agreeing)
-        G, sq_norms_ = None, None
+        agreement = self.agreement and strategy.uploads_agree(step, phase) and len(payloads) <= MAX_AGREEMENT_SITES
+        G = None
         if agreement:
             try:
-                G = gram(agreeing)
+                G = gram(terms)
             except UnpairedForms as exc:  # exact or nothing: this step is clipped only
                 log.warning("step %d phase %d: no agreement weights (%s)", step, phase, exc)
                 agreement = False
         if G is None:
             G = torch.diag(torch.tensor(self._sq_norms(payloads, terms), dtype=torch.float64))
-        elif any(part is not whole for part, whole in zip(agreeing, terms)):  # the clip reads whole updates
-            sq_norms_ = self._sq_norms(payloads, terms)
         basis = strategy.chooses_basis(step, phase)
         clip_ratio = min(self.clip_ratio, BASIS_CLIP_RATIO) if basis and self.clip_ratio else self.clip_ratio
-        weights = robust_weights(G, clip_ratio, agreement, sq_norms=sq_norms_)
+        weights = robust_weights(G, clip_ratio, agreement)
         factors = weights.factors
         earlier = self.weighed if phase > 0 and self.weighed.get("step") == step else None
         if earlier is not None and len(earlier["factors"]) == len(factors):
