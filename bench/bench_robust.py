@@ -23,7 +23,8 @@ strategy and attack: final test accuracy, that of the 3 honest sites alone (``cl
 the attacker's refusals, the fraction of steps where the attacker's factor was below 1,
 honest refusals, the fraction of honest (site, step) pairs with a factor below 1, and the
 fractions of steps where some honest site was clipped, zeroed by the agreement rule, or
-either (the step is then not plain averaging).
+either (the step is then not plain averaging), and where some honest site was clipped in a
+phase that only chooses a basis (PowerSGD's P_s: ``Strategy.chooses_basis``).
 The ``clean4`` row is 4 honest sites (the 4th counted as the attacker's column): the
 clean runs' rates.
 ``--clip-ratio``/``--no-agreement`` change the rule; ``--off`` runs without it (the table
@@ -115,7 +116,7 @@ def run(label: str, attack: str, steps: int, seed: int, clip_ratio: float | None
     attacker = Attacker(attack if not honest_only else "clean4", strategy, screening)
     server = strategy.server(coordinator.layout, coordinator.model)
     refused_attacker = refused_honest = aborted = 0
-    attacker_weighed = honest_weighed = honest_clipped = honest_zeroed = honest_touched = 0
+    attacker_weighed = honest_weighed = honest_clipped = honest_zeroed = honest_touched = honest_basis = 0
     error = None
     try:
         for step in range(steps):
@@ -152,6 +153,7 @@ def run(label: str, attack: str, steps: int, seed: int, clip_ratio: float | None
             honest_clipped += any(k in honest_sites for k in weighed.get("clipped", ()))
             honest_zeroed += any(k in honest_sites for k in weighed.get("disagreeing", ()))
             honest_touched += any(factors[k] < 1.0 for k in honest_sites)
+            honest_basis += any(k in honest_sites for k in weighed.get("basis_clipped", ()))
             fingerprints = {replica.apply(messages) for replica in [*sites, coordinator]}
             if len(fingerprints) != 1:
                 raise RuntimeError(f"replicas differ after step {step}")
@@ -164,7 +166,7 @@ def run(label: str, attack: str, steps: int, seed: int, clip_ratio: float | None
         "error": error, "aborted": aborted, "refused_attacker": refused_attacker, "refused_honest": refused_honest,
         "attacker_weighed": attacker_weighed / steps, "honest_weighed": honest_weighed / (steps * honest),
         "steps_honest_clipped": honest_clipped / steps, "steps_honest_zeroed": honest_zeroed / steps,
-        "steps_honest_touched": honest_touched / steps,
+        "steps_honest_touched": honest_touched / steps, "steps_honest_basis_clipped": honest_basis / steps,
     }
 
 
@@ -194,7 +196,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     f"refused attacker {row['refused_attacker']} honest {row['refused_honest']} aborted {row['aborted']} "
                     f"attacker<1 {row['attacker_weighed']:.2f} honest<1 {row['honest_weighed']:.3f} "
                     f"steps honest clipped {row['steps_honest_clipped']:.3f} zeroed {row['steps_honest_zeroed']:.3f} "
-                    f"either {row['steps_honest_touched']:.3f}"
+                    f"either {row['steps_honest_touched']:.3f} basis clipped {row['steps_honest_basis_clipped']:.3f}"
                     + (f" STOPPED {row['error']}" if row["error"] else ""),
                     flush=True,
                 )

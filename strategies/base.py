@@ -155,11 +155,6 @@ class Strategy:
     has_local_steps: ClassVar[bool] = False
     # phases: the most upload phases one step takes (PowerSGD: P, then Q).
     phases: ClassVar[int] = 1
-    # Whether honest sites' uploads point the same way, so that the robust rule may weigh
-    # sites by their agreement with the others (``robust.py``); False where the strategy's
-    # uploads carry per-site memories that pull apart by construction.
-    uploads_agree = True
-
     def site(self, layout: Layout, model: nn.Module | None = None) -> SiteHalf:  # pragma: no cover
         raise NotImplementedError
 
@@ -223,6 +218,20 @@ class Strategy:
         floating buffers'). Norms and the inner products between sites (``gram.gram``) are
         computed from them without forming ΔᵀA."""
         return layerwise_terms(layout, payload)
+
+    def uploads_agree(self, step: int, phase: int) -> bool:
+        """Whether honest sites' uploads of ``phase`` of ``step`` point the same way, so that the
+        robust rule may weigh sites by their agreement with the others (``robust.py``); False
+        where they carry per-site memories that pull apart by construction (PowerSGD's P_s):
+        that phase is then clipped only."""
+        return True
+
+    def chooses_basis(self, step: int, phase: int) -> bool:
+        """Whether ``phase`` of ``step`` only chooses a basis: its aggregate is orthonormalised
+        (PowerSGD's P̂ = orth(Σ P_s)), so scaling a site there changes its share of the
+        directions, never the step's size. The robust rule then clips every site to the median
+        of the others' norms (``robust.BASIS_CLIP_RATIO``) and those factors bound no later phase."""
+        return False
 
     def contribution(
         self, layout: Layout, payload: Payload, messages_so_far: Sequence[Payload], model: nn.Module | None = None

@@ -9,9 +9,12 @@ norms), tensors that do not pay, and buffers travel dense. One step, two phases:
                        P_s = M_s Q                                 (n × r)  up
              server:   P̂ = orth(Σ_s (n_s/N) P_s)                  (n × r)  down
     phase 1  site s:   Q_s = M_sᵀ P̂                               (m × r)  up
-             server:   Q = Σ_s (n_s/N) Q_s                         (m × r)  down
+                       with every dense tensor (gradient, buffer)
+             server:   Q = Σ_s (n_s/N) Q_s, and the dense means    (m × r)  down
     every replica:     update = P̂ Qᵀ   (``decode``, one shared function)
-    site s:            e_s ← M_s − P̂ Qᵀ (local M minus the *global* approximation)
+    site s:            e_s ← M_s − P̂ Q_sᵀ (``memory="site"``, the default: M_s minus what
+                       its own upload carried) or e_s ← M_s − P̂ Qᵀ (``memory="global"``,
+                       the hook's: M_s minus the aggregated approximation)
 
 Q starts identical on every site: from ``seed`` exactly as the hook does it (a
 ``numpy.random.RandomState(seed)`` draws a torch seed, then one ``randn`` per
@@ -42,16 +45,41 @@ differences: sites are weighted n_s/N (the hook averages ranks; equal for equal
 batches), and dense tensors carry no error memory — in the hook their error
 e_s = M_s − mean(M) sums to zero over sites, so the mean it sends is unchanged.
 
+The two memories. Both leave the sites' mean memory Σ_s (n_s/N) e_s = M̄ − P̂ Qᵀ the
+same (Q = Σ_s (n_s/N) Q_s), and every P̂, Q and update depends on the sites' M_s only
+through their mean, so the model follows the same trajectory with either (to rounding;
+``tests/strategies/test_powersgd.py``). They differ in what each site keeps of its own
+deviation d_s = M_s − M̄: with ``"global"`` every site subtracts the same P̂ Qᵀ, so
+d_s ← d_s + (g_s − ḡ) is a random walk of the site's gradient noise that never shrinks
+(the deviations cancel only in the sum over sites); with ``"site"``,
+d_s ← (I − P̂ P̂ᵀ)(d_s + g_s − ḡ): each step removes the deviation along the basis P̂, so
+Q_s = M_sᵀ P̂ carries this step's gradient noise and not the sum of the past ones, and
+honest sites' Q_s agree as dSGD's gradients do. That is what lets the coordinator's
+robust rule weigh sites by agreement in phase 1, on Q_s and the dense tensors that travel
+with it (``uploads_agree``; docs/robustness.md). A site's P_s still carries d_s outside
+the basis, so it is never weighed by agreement; P̂ = orth(Σ P_s) is orthonormalised, so the
+coordinator clips every P_s to the others' median norm at no cost to the step's size
+(``chooses_basis``), and a basis alone cannot turn the update against the honest sites
+(P̂ P̂ᵀ M̄ never points against M̄). Costs of ``"site"``: a site's memory does not keep
+what the coordinator's robust rule removed from its Q_s (a clipped or zeroed site's part is
+dropped, where ``"global"`` would carry it to later steps), nor, with ``factor_bits``, the
+rounding of the aggregated Q on its way down (the rounding of its own Q_s it keeps). Use
+``"global"`` to keep the hook's memory exactly (its rounding over many steps, every last
+rounding carried); the coordinator then clips PowerSGD only, as it did before the site
+memory. The option is the coordinator's published strategy config, checked here.
+
 Integer factors (``factor_bits`` 8 or 16, error feedback only): every P and Q, up and
 down, travels as integer codes with one float scale per column (``quantize.py``), a
 quarter of the bytes at 8 bits; dense tensors stay float. The memory needs no change:
-it already subtracts P̂ Qᵀ as every replica decodes it, so whatever the rounding (of the
-sites' P_s and Q_s, or of P̂ and Q) changes in the update stays in the memories.
+it subtracts P̂ and Q_s (``"site"``) or Q (``"global"``) as the receivers decode them, so
+what the rounding changes in the update stays in the memories (with ``"site"``, all but
+the downlink rounding of Q: above).
 
 Cost per compressed matrix (floats, r = min(rank, n, m)), two round trips per step:
     up   = r·(n + m)   per site (r·n in phase 0, r·m in phase 1)
     down = r·(n + m)   (P̂, then Q)
-Dense tensors: numel both ways, in phase 0. Warm-up steps: dSGD's cost, one phase.
+Dense tensors: numel both ways, in phase 1 (with Q_s, so that the coordinator weighs them
+with it: ``uploads_agree``). Warm-up steps: dSGD's cost, one phase.
 
 Raw input (``raw_input``, the policy rank-dAD follows, ``base.low_rank_allowed``): with
 "low_rank" (the default) or "activations" every matrix is compressed as above; with
@@ -98,6 +126,7 @@ from .layout import Layout
 from .power_iteration import thin_product
 from .quantize import FULL_PRECISION, check_factor_bits, factor_entries, quantized_specs, unpack
 
+MEMORIES = ("site", "global")  # the error memory's forms (module text)
 SEED_RANGE = 1_000_000_000  # the hook draws torch seeds with RandomState.randint(1_000_000_000)
 
 
@@ -182,9 +211,10 @@ def low_rank_update(p_hat: torch.Tensor, q: torch.Tensor, shape: Sequence[int]) 
 
 
 def decode_powersgd(plan_: Plan, messages: Sequence[Payload]) -> dict[str, torch.Tensor]:
-    """The update of one step: dense means of phase 0, P̂ (phase 0) times Qᵀ (phase 1)."""
+    """The update of one step: the dense means (warm-up: phase 0; compressed: phase 1), P̂
+    (phase 0) times Qᵀ (phase 1)."""
     update: dict[str, torch.Tensor] = {}
-    for key, tensor in messages[0].tensors.items():
+    for key, tensor in messages[-1].tensors.items():
         name, role = split_key(key)
         if role == GRAD_ROLE:
             update[name] = tensor
@@ -243,6 +273,8 @@ class PowerSGDSite:
         self.errors: dict[str, torch.Tensor] = {}
         self.q_memory: dict[str, torch.Tensor] = {}
         self.M: dict[str, torch.Tensor] = {}
+        self.q_sent: dict[str, torch.Tensor] = {}  # Q_s as the coordinator decodes it (memory "site")
+        self.dense: dict[str, torch.Tensor] = {}  # this step's dense uploads, sent in phase 1
         self.p_hat: dict[str, torch.Tensor] = {}
         self.num_samples = 0
         self.step = -1
@@ -252,7 +284,8 @@ class PowerSGDSite:
         if not self.options.compresses(step):
             tensors = dense_upload(local, self.layout.params, self.layout.buffers)
             return Payload(step, 0, local.num_samples, tensors)
-        tensors = dense_upload(local, self.plan.dense, self.layout.buffers)
+        self.dense = dense_upload(local, self.plan.dense, self.layout.buffers)  # sent with Q_s
+        tensors = {}
         qs = self._start_q(local)
         self.M = {}
         reference = next(iter(local.grads.values()), None)
@@ -298,22 +331,26 @@ class PowerSGDSite:
         message = unpack(message)
         if message.phase == 0:
             self.p_hat = {m.name: message.tensors[m.p_key] for m in self.plan.matrices if m.p_key in message.tensors}
-            tensors = {}
+            tensors, self.dense = self.dense, {}
             for m in self.plan.matrices:
                 if m.name in self.p_hat:
                     Q = self._product(self.M[m.name].transpose(0, 1), self.p_hat[m.name])
-                    tensors.update(factor_entries(m.q_key, Q, self.options.factor_bits))
+                    entries = factor_entries(m.q_key, Q, self.options.factor_bits)
+                    if self.options.memory == "site":
+                        self.q_sent[m.name] = unpack(Payload(self.step, 1, self.num_samples, entries)).tensors[m.q_key]
+                    tensors.update(entries)
             return Payload(self.step, 1, self.num_samples, tensors)
         for matrix in self.plan.matrices:
             if matrix.name not in self.p_hat or matrix.q_key not in message.tensors:
                 continue  # no site sent it: no update, nothing to remember
             q = message.tensors[matrix.q_key]
             if self.options.use_error_feedback:
-                approx = low_rank_update(self.p_hat[matrix.name], q, (matrix.n, matrix.m))
+                sent = self.q_sent[matrix.name] if self.options.memory == "site" else q
+                approx = low_rank_update(self.p_hat[matrix.name], sent, (matrix.n, matrix.m))
                 self.errors[matrix.name] = self.M[matrix.name] - approx
             if self.options.warm_start:
                 self.q_memory[matrix.name] = q
-        self.M, self.p_hat = {}, {}
+        self.M, self.p_hat, self.q_sent = {}, {}, {}
         return None
 
     def state_dict(self) -> StateDict:
@@ -358,14 +395,14 @@ class PowerSGDServer(Stateless):
         if not self.options.compresses(first.step):
             tensors = dense_aggregate(payloads, self.layout.params, self.layout.buffers)
         elif first.phase == 0:
-            tensors = dense_aggregate(payloads, self.plan.dense, self.layout.buffers)
+            tensors = {}
             for matrix in self.plan.matrices:
                 P = self._weighted_mean(payloads, matrix.p_key, total)
                 if P is not None:
                     P = orthogonalize(P, self.options.orthogonalization_epsilon)
                     tensors.update(factor_entries(matrix.p_key, P, self.options.factor_bits))
         else:
-            tensors = {}
+            tensors = dense_aggregate(payloads, self.plan.dense, self.layout.buffers)
             for m in self.plan.matrices:
                 Q = self._weighted_mean(payloads, m.q_key, total)
                 if Q is not None:
@@ -393,6 +430,7 @@ class PowerSGD(Strategy):
     seed: int = 0
     factor_bits: int = FULL_PRECISION
     raw_input: str = DEFAULT_RAW_INPUT
+    memory: str = "site"  # "site": e_s ← M_s − P̂ Q_sᵀ; "global": e_s ← M_s − P̂ Qᵀ (the hook's); module text
     name = "powersgd"
     needs_factors = False
     phases = 2  # P_s, then Q_s (one on a dense warm-up step)
@@ -408,6 +446,8 @@ class PowerSGD(Strategy):
             raise ValueError(f"powersgd: orthogonalization_epsilon={self.orthogonalization_epsilon} must be >= 0")
         check_factor_bits("powersgd", self.factor_bits, self.use_error_feedback)
         check_raw_input(self.raw_input)
+        if self.memory not in MEMORIES:
+            raise ValueError(f"powersgd: memory={self.memory!r} must be one of {', '.join(map(repr, MEMORIES))}")
 
     def compresses(self, step: int) -> bool:
         """Whether ``step`` is compressed (two phases) or a dense warm-up step (one)."""
@@ -420,17 +460,17 @@ class PowerSGD(Strategy):
         return PowerSGDServer(layout, self)
 
     def upload_units(self, layout: Layout, facts, phase: int, step: int, model=None) -> list | None:
-        """Warm-up steps: dSGD's phase 0. Compressed steps: phase 0 the dense tensors and
-        P (n × r) per matrix, phase 1 Q (m × r) per matrix, r the plan's rank exactly; a
+        """Warm-up steps: dSGD's phase 0. Compressed steps: phase 0 P (n × r) per matrix,
+        phase 1 Q (m × r) per matrix and the dense tensors, r the plan's rank exactly; a
         matrix the site's batch gave no gradient (and its memory nothing) may be absent."""
         if not self.compresses(step):
             return facts.dense_units(layout.params) + facts.buffer_units(layout.buffers) if phase == 0 else None
         plan_ = plan(layout, self.rank, self.min_compression_rate, self.raw_input)
         if phase == 0:
-            units = facts.dense_units(plan_.dense) + facts.buffer_units(layout.buffers)
-            role, rows = "P", lambda m: m.n
+            units, role, rows = [], "P", lambda m: m.n
         elif phase == 1:
-            units, role, rows = [], "Q", lambda m: m.m
+            units = facts.dense_units(plan_.dense) + facts.buffer_units(layout.buffers)
+            role, rows = "Q", lambda m: m.m
         else:
             return None
         for matrix in plan_.matrices:
@@ -440,9 +480,9 @@ class PowerSGD(Strategy):
         return units
 
     def terms(self, layout: Layout, payload: Payload, messages_so_far, model=None) -> tuple[dict, dict]:
-        """Mean units: dense gradients / n_s and P_s (phase 0); Q_s (phase 1). P_s = M_s Q and
-        Q_s = M_sᵀ P̂ project on one orthonormal basis shared by every site, so inner products
-        of the projected updates are those of P_s (of Q_s): Dense terms."""
+        """Mean units: P_s (phase 0); Q_s and dense gradients / n_s (phase 1; warm-up steps:
+        phase 0). P_s = M_s Q and Q_s = M_sᵀ P̂ project on one orthonormal basis shared by
+        every site, so inner products of the projected updates are those of P_s (of Q_s): Dense terms."""
         payload = unpack(payload)
         w = 1.0 / payload.num_samples
         update, buffers = {}, {}
@@ -456,13 +496,26 @@ class PowerSGD(Strategy):
                 update[name] = [Dense(tensor)]
         return update, buffers
 
-    @property
-    def uploads_agree(self) -> bool:
-        """Not with error feedback: each P_s, Q_s carries its site's memory e_s = M_s − P̂ Qᵀ,
-        and those memories pull apart by construction (M_s − M̄ is a random walk of the site's
-        gradient noise that cancels only in the sum over sites), so an honest site pushes back
-        against the others' sum as far as an attacker does (docs/robustness.md)."""
-        return not self.use_error_feedback
+    def uploads_agree(self, step: int, phase: int) -> bool:
+        """Dense warm-up steps and steps without error feedback: yes (no memory). With error
+        feedback, never P_s = M_s Q (phase 0): it carries the site's deviation
+        d_s = M_s − M̄, which with either memory accumulates gradient noise outside the basis,
+        so honest sites push back on each other's P_s (docs/robustness.md). Phase 1 with
+        ``memory="site"``: Q_s = M_sᵀ P̂, which then carries no past noise along P̂ (module
+        text), and the dense gradients that travel with it. With ``"global"`` the random walk
+        is in Q_s too, and the biases alone disagree too often to be weighed apart (honest
+        sites zeroed in a quarter of clean steps): clipped only."""
+        if not self.use_error_feedback or not self.compresses(step):
+            return True
+        return phase == 1 and self.memory == "site"
+
+    def chooses_basis(self, step: int, phase: int) -> bool:
+        """Phase 0 of a compressed step with the site memory: P̂ = orth(Σ_s (n_s/N) P_s) is
+        orthonormalised, so a site's factor there sets its share of the basis, not the step's
+        size (the coordinator clips every P_s to the others' median norm, docs/robustness.md).
+        Without error feedback or with ``"global"``, P_s is weighed as any phase (its factor
+        binds Q_s), as measured there."""
+        return phase == 0 and self.compresses(step) and self.use_error_feedback and self.memory == "site"
 
     # P_s in phase 0, Q_s in phase 1: the update P̂ Qᵀ is linear in each site's Q_s.
     SCALED_ROLES = frozenset({GRAD_ROLE, "P", "P_scale", "Q", "Q_scale"})

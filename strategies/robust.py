@@ -62,6 +62,9 @@ from .checks import medians_of_the_others
 
 DEFAULT_CLIP_RATIO = 2.0  # measured: docs/robustness.md
 DEFAULT_AGREEMENT_MARGIN = 0.25  # β, measured: docs/robustness.md
+# c in a phase that only chooses a basis (``Strategy.chooses_basis``): no site outweighs a median
+# one in the directions; the step's size does not depend on it. Measured: docs/robustness.md
+BASIS_CLIP_RATIO = 1.0
 
 
 def check_clip_ratio(value: float) -> float:

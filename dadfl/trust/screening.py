@@ -16,7 +16,9 @@ step, attempt, phase, model version, sample count). Then, over all uploads of th
    median of the others' norms, 0 for a site that pushes the model back along the others'
    sum by more than ``agreement_margin`` × their median norm (``agreement``) — and each
    upload scaled by its factor (``Strategy.scale``). Factors decided in a step's earlier
-   phases bound the later ones' (PowerSGD: a site zeroed on P_s stays zeroed on Q_s). A step where every factor is 1 aggregates the uploads untouched.
+   phases bound the later ones', except those of a phase that only chooses a basis
+   (``Strategy.chooses_basis``, PowerSGD's P_s: clipped to the others' median norm, no
+   agreement). A step where every factor is 1 aggregates the uploads untouched.
 3. :meth:`Screening.message` — the aggregated message as every site will decode it (after
    the wire codec), finite, and the update it decodes to naming the model's parameters with
    their shapes (``checks.check_update``): a server never sends a message that fails at a site.
@@ -52,7 +54,7 @@ from dadfl.sanitize import printable
 from dadfl.strategies import Payload
 from dadfl.strategies.checks import ModelFacts, all_finite, check_update, finite_flags, influence_outliers
 from dadfl.strategies.gram import UnpairedForms, gram, sq_norm, sq_norms
-from dadfl.strategies.robust import DEFAULT_CLIP_RATIO, robust_weights
+from dadfl.strategies.robust import BASIS_CLIP_RATIO, DEFAULT_CLIP_RATIO, robust_weights
 
 log = logging.getLogger(__name__)
 
@@ -207,27 +209,34 @@ class Screening:
             return list(payloads)
         strategy, layout = self.strategy, self.replica.layout
         terms = [self._update_terms(payload, messages) for payload in payloads]
-        agreement = self.agreement and strategy.uploads_agree and len(payloads) <= MAX_AGREEMENT_SITES
+        step, phase = payloads[0].step, payloads[0].phase
+        agreement = self.agreement and strategy.uploads_agree(step, phase) and len(payloads) <= MAX_AGREEMENT_SITES
         G = None
         if agreement:
             try:
                 G = gram(terms)
             except UnpairedForms as exc:  # exact or nothing: this step is clipped only
-                log.warning("step %d phase %d: no agreement weights (%s)", payloads[0].step, payloads[0].phase, exc)
+                log.warning("step %d phase %d: no agreement weights (%s)", step, phase, exc)
                 agreement = False
         if G is None:
             G = torch.diag(torch.tensor(self._sq_norms(payloads, terms), dtype=torch.float64))
-        weights = robust_weights(G, self.clip_ratio, agreement)
-        step, phase = payloads[0].step, payloads[0].phase
+        basis = strategy.chooses_basis(step, phase)
+        clip_ratio = min(self.clip_ratio, BASIS_CLIP_RATIO) if basis and self.clip_ratio else self.clip_ratio
+        weights = robust_weights(G, clip_ratio, agreement)
         factors = weights.factors
         earlier = self.weighed if phase > 0 and self.weighed.get("step") == step else None
         if earlier is not None and len(earlier["factors"]) == len(factors):
             factors = [min(a, b) for a, b in zip(factors, earlier["factors"])]
         if remember:
+            clipped, disagreeing = set(weights.clipped), set(weights.disagreeing)
+            basis_clipped = set(earlier.get("basis_clipped", ())) if earlier else set()
+            if earlier:
+                clipped, disagreeing = clipped | set(earlier["clipped"]), disagreeing | set(earlier["disagreeing"])
+            if basis:  # its factors bind no later phase; the sites it clipped are recorded apart
+                basis_clipped, clipped = basis_clipped | clipped, set()
             self.weighed = {
-                "step": step, "factors": factors,
-                "clipped": sorted(set(weights.clipped) | set(earlier["clipped"] if earlier else ())),
-                "disagreeing": sorted(set(weights.disagreeing) | set(earlier["disagreeing"] if earlier else ())),
+                "step": step, "factors": [1.0] * len(factors) if basis else factors, "clipped": sorted(clipped),
+                "disagreeing": sorted(disagreeing), "basis_clipped": sorted(basis_clipped),
             }
         # A site of weight 0 leaves the phase's aggregate and its sample count, as if it had not
         # sent: the others' mean is not diluted by it.
@@ -257,6 +266,7 @@ class Screening:
             "robust_factors": {name: f for name, f in zip(names, weighed["factors"]) if f != 1.0},
             "robust_clipped": [names[i] for i in weighed["clipped"]],
             "robust_disagreeing": [names[i] for i in weighed["disagreeing"]],
+            "robust_basis_clipped": [names[i] for i in weighed.get("basis_clipped", ())],
         }
 
     def message(self, half: Any, payloads: Sequence[Payload], messages: Sequence[Payload], remember: bool = True) -> tuple[Payload, Payload, Decoded]:

@@ -55,7 +55,9 @@ def run(name, options, steps, bits):
 @pytest.mark.parametrize("name,options", [
     ("rankdad", {"rank": 1, "raw_input": "low_rank"}),
     ("rankdad", {"rank": 1, "raw_input": "low_rank", "reduce_on_server": False}),  # the sites' codes sent on
-    ("powersgd", {"rank": 1, "start_iter": 0}),
+    # the hook's memory: each site's own ("site", the default) keeps its Q_s's rounding, not Q's
+    # on the way down (strategies/powersgd.py)
+    ("powersgd", {"rank": 1, "start_iter": 0, "memory": "global"}),
 ])
 def test_the_memories_carry_the_rounding_so_no_update_is_lost(name, options):
     """Sum of decoded updates + what the memories hold = sum of gradients, to float rounding:

@@ -223,9 +223,9 @@ def test_one_dimensional_and_small_tensors_go_dense():
     _, _, layout, _, messages, _ = exchange_once(strategy)
     p_keys = {k for k in messages[0].tensors if k.endswith(":P")}
     assert p_keys == {"1.weight:P", "3.weight:P"}, "5.weight (5 × 16) does not pay at rank 2, rate 2"
-    for name in ("1.bias", "3.bias", "5.bias", "5.weight"):
-        assert f"{name}:grad" in messages[0].tensors
-    assert set(messages[1].tensors) == {"1.weight:Q", "3.weight:Q"}
+    assert set(messages[0].tensors) == p_keys, "phase 0: P only"
+    dense = {f"{name}:grad" for name in ("1.bias", "3.bias", "5.bias", "5.weight")}
+    assert set(messages[1].tensors) == {"1.weight:Q", "3.weight:Q"} | dense, "phase 1: Q and the dense gradients"
 
 
 def test_bytes_match_formula_and_two_phases():
@@ -236,8 +236,8 @@ def test_bytes_match_formula_and_two_phases():
     assert warmup.up == [[FLOAT * dense] * 3] and warmup.down == [FLOAT * dense], "warm-up: dSGD, one phase"
 
     *_, traffic = exchange_once(strategy, step=1)
-    phase0 = 2 * 16 + 2 * 16 + (16 + 16 + 5 * 16 + 5)  # P of both, the rest dense
-    phase1 = 2 * 12 + 2 * 16  # Q of both
+    phase0 = 2 * 16 + 2 * 16  # P of both
+    phase1 = 2 * 12 + 2 * 16 + (16 + 16 + 5 * 16 + 5)  # Q of both, the rest dense
     assert traffic.up == [[FLOAT * phase0] * 3, [FLOAT * phase1] * 3]
     assert traffic.down == [FLOAT * phase0, FLOAT * phase1]
     compressed_per_site = 2 * (16 + 12) + 2 * (16 + 16)  # r·(n + m) each
@@ -304,3 +304,33 @@ def test_options_are_checked():
         make_strategy("powersgd", rank=0)
     with pytest.raises(ValueError, match="no option"):
         make_strategy("powersgd", matrix_approximation_rank=2)
+
+
+def test_each_site_memory_drops_its_deviation_along_the_basis_and_the_updates_match_the_hooks_memory():
+    """memory="site" (e_s = M_s − P̂ Q_sᵀ): each memory is orthogonal to this step's basis P̂,
+    while "global" (e_s = M_s − P̂ Qᵀ) keeps every site's deviation along it; both give the same
+    updates (their mean memory is the same), to float rounding, step after step."""
+    model = build("mlp")
+    layout = probe_layout(model, site_batches("mlp", sizes=(5,))[0][0])
+    runs = {}
+    for memory in ("site", "global"):
+        strategy = make_strategy("powersgd", rank=1, start_iter=0, memory=memory)
+        sites, server = [strategy.site(layout, model) for _ in range(3)], strategy.server(layout, model)
+        updates = []
+        for step in range(4):
+            locals_ = [local_step(model, layout, per_sample_cross_entropy, x, y, capture=False)
+                       for x, y in site_batches("mlp", sizes=(5, 1, 3), seed=step)]
+            messages, _ = exchange(sites, server, locals_, step)
+            updates.append(strategy.decode(layout, messages, model))
+        p_hat = {m.name: messages[0].tensors[m.p_key] for m in sites[0].plan.matrices}
+        along = [float((p_hat[name].T @ site.errors[name]).norm() / site.errors[name].norm())
+                 for site in sites for name in p_hat]
+        runs[memory] = updates, along
+    assert max(runs["site"][1]) <= 1e-5 and min(runs["global"][1]) > 1e-2
+    for site_update, global_update in zip(runs["site"][0], runs["global"][0]):
+        assert max(rel(site_update[name], global_update[name]) for name in global_update) <= 1e-4
+
+
+def test_memory_option_is_checked():
+    with pytest.raises(ValueError, match="memory='shared' must be one of 'site', 'global'"):
+        PowerSGD(memory="shared")

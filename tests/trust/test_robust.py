@@ -282,3 +282,60 @@ def test_untouched_weights_aggregate_the_uploads_bit_identically_and_a_zeroed_si
         k: -20 * t if split_key(k)[1] in strategy.SCALED_ROLES and t.is_floating_point() else t for k, t in payloads[3].tensors.items()
     })
     assert same(message([*payloads[:3], flipped]), plain(payloads[:3])) and screening.weighed["disagreeing"] == [3]
+
+
+@pytest.mark.parametrize("memory", ["site", "global"])
+def test_powersgd_a_site_flipped_at_the_clip_bound_gets_weight_zero_on_q_and_its_p_only_a_median_share(memory):
+    """PowerSGD with error feedback through the coordinator's screening, after a few steps of
+    memories: a fourth site sending −20× its genuine P_s and Q_s. With each site's own memory:
+    phase 0 (P_s only chooses the basis) clips every site to the others' median norm, weighs no
+    agreement and carries no factor on; in phase 1 the flipped site gets weight 0 and the
+    message is the three honest sites' to the bit. With the hook's memory both phases are
+    clipped only (its honest sites' uploads carry the random walk of their memories:
+    docs/robustness.md)."""
+    from dadfl.replica import OptimizerConfig, Replica
+    from dadfl.trust.screening import Screening
+    from dadfl.workloads import load_workload, partition, site_batches
+
+    torch.manual_seed(0)
+    workload = load_workload("digits-mlp")
+    strategy = make_strategy("powersgd", rank=2, start_iter=0, memory=memory)
+    train = workload.training_data()
+    indices = partition(4, len(train), "iid", labels=workload.labels, seed=0)
+    coordinator = Replica(workload, strategy, OptimizerConfig(name="sgd", lr=0.1), "cpu")
+    layout, model = coordinator.layout, coordinator.model
+    sites = [strategy.site(layout, model) for _ in indices]
+    batches = [site_batches(train, index, 32, seed=s) for s, index in enumerate(indices)]
+    screening = Screening(coordinator, 100.0, None)
+
+    def flip(payload):
+        return type(payload)(payload.step, payload.phase, payload.num_samples, {
+            k: -20 * t if split_key(k)[1] in strategy.SCALED_ROLES and t.is_floating_point() else t
+            for k, t in payload.tensors.items()
+        })
+
+    for step in range(4):
+        payloads = [site.begin(coordinator.work(batch.at, step), step) for site, batch in zip(sites, batches)]
+        attacked = step == 3
+        server = strategy.server(layout, model)
+        for phase in range(2):
+            uploads = [*payloads[:3], flip(payloads[3])] if attacked else payloads
+            message, sent, _ = screening.message(server, uploads, [] if phase == 0 else [first])
+            if phase == 0:
+                first = sent
+                assert screening.weighed["disagreeing"] == []
+                if memory == "site":  # no factor carried on; some site is above the others' median
+                    assert screening.weighed["factors"] == [1.0] * 4 and screening.weighed["basis_clipped"]
+                else:
+                    assert screening.weighed["basis_clipped"] == []
+            payloads = [site.receive(sent) for site in sites]
+        if not attacked:
+            continue
+        factors = screening.weighed["factors"]
+        if memory == "site":
+            assert factors == [1.0, 1.0, 1.0, 0.0] and screening.weighed["disagreeing"] == [3]
+            honest = strategy.server(layout, model).aggregate(uploads[:3])
+            assert message.tensors.keys() == honest.tensors.keys()
+            assert all(torch.equal(message.tensors[k], honest.tensors[k]) for k in honest.tensors)
+        else:
+            assert factors[:3] == [1.0, 1.0, 1.0] and 0.0 < factors[3] < 1.0 and screening.weighed["disagreeing"] == []
