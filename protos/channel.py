@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 # 2: one round trip per step (StepNext / SiteMessage.previous_done); 3: the run config carries
-# the model probe and layout line hashes a site checks before joining. A site and a server of
-# different versions are refused at the hello with FAILED_PRECONDITION, naming both.
-PROTOCOL_VERSION = 3
+# the model probe and layout line hashes a site checks before joining; 4: PowerSGD's dense
+# tensors travel with Q_s in phase 1. A site and a server of different versions are refused at
+# the hello with FAILED_PRECONDITION, naming both.
+PROTOCOL_VERSION = 4
 
 
 def channel_options(chunk_bytes: int) -> list[tuple[str, int]]:
