@@ -112,8 +112,7 @@ class Run:
         The one before ``begin.step`` is no longer needed, nor an older checkpoint step than
         ``begin``'s: the server committed and checkpointed both before this step's message."""
         step = begin.step + 1
-        self.states.save(step, self.replica.half.state_dict())
-        self.states.keep_only({begin.checkpoint_step, step - 1, step})
+        self.states.save(step, self.replica.half.state_dict(), keep={begin.checkpoint_step, step - 1})
         self.half_step = step
 
     def _restore(self, half, step: int) -> None:
