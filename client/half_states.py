@@ -22,8 +22,8 @@ into a fresh file (CRC, page allocation, and the unlink of the old one). A save 
 recycled file under a temporary name and renames it into place, so a kill leaves the old
 state or the new one, never a torn one; a file whose digest or header does not check (a
 power cut: nothing here is fsync'd) reads as lost, as does one that names another step.
-A stateless half's empty state is an empty file: a dropped empty state's file renamed to the
-new step's name, so its step costs two renames (the new state in, the dropped one out).
+A stateless half's empty state is an empty file: the empty file of the state the step drops,
+renamed to the new step's name (``save`` with ``keep``), so its step costs one rename.
 
 The states are saved every step, not only at the server's checkpoints: a site killed and
 restarted rejoins at the step the server is at, which it can restore only from that step's
@@ -66,6 +66,7 @@ class HalfStates:
         self.on_disk: set[int] = set()  # read once: this site is the folder's only writer
         self.spares: list[Path] = []  # dropped state files, written over by the next saves
         self.empty_spares: set[Path] = set()  # those of them known to be empty (dropped empty states)
+        self.empty: set[int] = set()  # steps on disk whose state this process saved empty
         self.folder: Path | None = None
         if state_dir is None:
             return
@@ -88,18 +89,28 @@ class HalfStates:
         """Steps whose start this site can restore (0: the fresh half)."""
         return {0} | set(self.memory) | self.on_disk
 
-    def save(self, step: int, state: State) -> None:
+    def save(self, step: int, state: State, keep: set[int] | None = None) -> None:
+        """Save ``state`` as the state at ``step``; with ``keep``, then :meth:`keep_only` ``keep``
+        and ``step`` (an empty state takes over the empty file of a state that drops)."""
         if self.folder is not None:
             # The older states stay on disk only: in memory each would keep its own copy of
             # a model-sized state (rank-dAD's error memory) that the half has replaced since.
             self.memory.clear()
         self.memory[step] = state
         if self.folder is None:
+            if keep is not None:
+                self.keep_only(keep | {step})
             return
         if not state:  # a stateless half, every step: an empty file says it
-            self._save_empty(self._path(step))
+            dropped = sorted(self.empty - keep - {step, 0}) if keep is not None else []
+            if not (dropped and self._rename_empty(dropped[0], step)):
+                self._save_empty(self._path(step))
             self.on_disk.add(step)
+            self.empty.add(step)
+            if keep is not None:
+                self.keep_only(keep | {step})
             return
+        self.empty.discard(step)
         path = self._path(step)
         tmp = path.with_name(path.name + ".tmp")
         if self.spares:
@@ -115,6 +126,19 @@ class HalfStates:
             file.truncate()
         os.replace(tmp, path)
         self.on_disk.add(step)
+        if keep is not None:
+            self.keep_only(keep | {step})
+
+    def _rename_empty(self, dropped: int, step: int) -> bool:
+        """The empty state at ``dropped`` becomes the one at ``step`` (one rename, so a kill
+        leaves either); False when its file is gone (removed by hand)."""
+        try:
+            os.replace(self._path(dropped), self._path(step))
+        except FileNotFoundError:
+            return False
+        self.on_disk.discard(dropped)
+        self.empty.discard(dropped)
+        return True
 
     def _save_empty(self, path: Path) -> None:
         """An empty file at ``path``: a dropped empty one renamed (one system call), else a new one."""
@@ -155,6 +179,8 @@ class HalfStates:
         self.memory.pop(step, None)
         if step in self.on_disk:
             self.on_disk.discard(step)
+            empty = step in self.empty
+            self.empty.discard(step)
             spare = self.folder / f"{SPARE_PREFIX}{step}"
             try:
                 os.replace(self._path(step), spare)
@@ -163,7 +189,7 @@ class HalfStates:
             if spare in self.spares:  # a replayed step dropped twice: its old spare was just replaced
                 self.spares.remove(spare)
             self.spares.append(spare)
-            if not spare.stat().st_size:  # an empty state's file (older states are on disk only)
+            if empty or not spare.stat().st_size:  # an empty state's file (older states are on disk only)
                 self.empty_spares.add(spare)
             else:
                 self.empty_spares.discard(spare)

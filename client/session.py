@@ -22,7 +22,7 @@ from dadfl.privacy.accounting import poisson_cap
 from dadfl.privacy.ledger import BudgetSpent, RunReleases
 from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.protos import tensor_pb2 as pb
-from dadfl.protos.codec import PayloadAssembler, encode_payload
+from dadfl.protos.codec import PayloadAssembler, encode_pieces, fill_chunk
 from dadfl.protos.repair import apply_repair, block_hashes
 from dadfl.protos.state import load_state
 from dadfl.replica import Replica
@@ -112,8 +112,7 @@ class Run:
         The one before ``begin.step`` is no longer needed, nor an older checkpoint step than
         ``begin``'s: the server committed and checkpointed both before this step's message."""
         step = begin.step + 1
-        self.states.save(step, self.replica.half.state_dict())
-        self.states.keep_only({begin.checkpoint_step, step - 1, step})
+        self.states.save(step, self.replica.half.state_dict(), keep={begin.checkpoint_step, step - 1})
         self.half_step = step
 
     def _restore(self, half, step: int) -> None:
@@ -145,8 +144,17 @@ class Session:
         return outgoing
 
     def send(self, **kind) -> None:
-        message = cpb.SiteMessage(**kind)
-        if "chunk" in kind and self.pending_done is not None:
+        self._queue(cpb.SiteMessage(**kind))
+
+    def send_chunk(self, header: pb.PayloadHeader, piece: tuple[int, bytes, bool]) -> None:
+        """One chunk of an upload, written into its message (``encode_pieces``: no copy of its bytes)."""
+        message = cpb.SiteMessage()
+        fill_chunk(message.chunk, header, *piece)
+        self._queue(message)
+
+    def _queue(self, message: cpb.SiteMessage) -> None:
+        """Queue ``message``; a chunk carries the done this site owes."""
+        if self.pending_done is not None and message.HasField("chunk"):
             message.previous_done.CopyFrom(self.pending_done)
             self.pending_done = None
         self.outgoing.append(message)
@@ -267,12 +275,12 @@ class Session:
             "upload", run_id=run.config.run_id, coordinator=self.site.config.connect.server, attempt=self.step.attempt,
             **payload_entry(payload), **({"dp": run.releases.spent()} if run.releases is not None else {}),
         )  # on disk before the upload goes out
-        chunks = encode_payload(
+        header, pieces = encode_pieces(
             payload, run.codec, run.config.chunk_bytes, kind=pb.PHASE,
             attempt=self.step.attempt, loss_sum=loss_sum, base_fingerprint=self.step.fingerprint,
         )
-        for chunk in chunks:
-            self.send(chunk=chunk)
+        for piece in pieces:
+            self.send_chunk(header, piece)
 
     def on_message(self, message: Payload) -> None:
         if self.step is None:

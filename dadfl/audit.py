@@ -16,7 +16,8 @@ hash ``verify`` prints, noted elsewhere (a ticket, an e-mail), anchors everythin
 Lines hold names, shapes, byte counts, ids and decisions — never a data value, a tensor's
 contents, a token or a key. Appends take an exclusive ``flock`` (the coordinator and the
 operator's commands write the same file) and are on disk before the call returns
-(``fdatasync``: the line and the file's new length), so what is logged survives a crash;
+(written through ``O_DSYNC``: each write returns once the line and the file's new length
+are on disk, as ``fdatasync`` after it would, in one system call), so what is logged survives a crash;
 a file whose last line does not parse is damaged and nothing more is appended to it
 (:class:`AuditError`), as nothing should leave a site that its trail cannot record.
 
@@ -70,33 +71,37 @@ class AuditLog:
             if not self._folder_made:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 self._folder_made = True
-            with open(self.path, "a+b") as file:
-                fcntl.flock(file, fcntl.LOCK_EX)
-                if self._end is not None and self._end[0] == _identity(file):
+            descriptor = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | _DSYNC, 0o666)  # as open(path, "a+b")
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX)  # released by the close
+                if self._end is not None and self._end[0] == _identity(descriptor):
                     prev, seq = self._end[1], self._end[2]
                 else:
-                    prev, seq = self._tail(file)
+                    prev, seq = self._tail(descriptor)
                 record = {"seq": seq, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "event": event, **fields, "prev": prev}
                 record["hash"] = line_hash(record)
-                file.write(canonical(record) + b"\n")
-                file.flush()
-                _sync(file.fileno())
-                self._end = (_identity(file), record["hash"], seq + 1)
+                line = memoryview(canonical(record) + b"\n")
+                while line:
+                    line = line[os.write(descriptor, line):]
+                if not _DSYNC:
+                    _sync(descriptor)
+                self._end = (_identity(descriptor), record["hash"], seq + 1)
+            finally:
+                os.close(descriptor)
         except OSError as exc:
             self._end = None
             raise AuditError(f"the audit file {self.path} cannot be written ({exc.strerror or type(exc).__name__})") from None
         return record
 
-    def _tail(self, file) -> tuple[str, int]:
+    def _tail(self, descriptor: int) -> tuple[str, int]:
         """(the last line's hash, the next seq)."""
-        size = file.seek(0, os.SEEK_END)
+        size = os.fstat(descriptor).st_size
         if size == 0:
             return GENESIS, 0
         piece = FIRST_TAIL_BYTES
         while True:  # from the end, in growing pieces, until the piece holds a whole last line
             start = max(0, size - piece)
-            file.seek(start)
-            tail = file.read()
+            tail = _read_at(descriptor, start, size - start)
             if not tail.endswith(b"\n"):
                 raise AuditError(f"the audit file {self.path} ends in a cut line; `dadfl audit verify {self.path}` says where, archive it and start a new one")
             if start == 0 or b"\n" in tail[:-1] or piece >= TAIL_BYTES:
@@ -109,14 +114,24 @@ class AuditLog:
             raise AuditError(f"the last line of the audit file {self.path} is not an audit record; run `dadfl audit verify {self.path}`") from None
 
 
-def _identity(file) -> tuple[int, int, int, int]:
+def _identity(descriptor: int) -> tuple[int, int, int, int]:
     """What changes when anyone else writes, cuts or replaces the file: device, inode, length, change time."""
-    status = os.fstat(file.fileno())
+    status = os.fstat(descriptor)
     return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns
 
 
-# fdatasync puts the appended bytes and the length that makes them readable on disk, as fsync
-# does, without the timestamps' write; systems without it (macOS) use fsync.
+def _read_at(descriptor: int, start: int, size: int) -> bytes:
+    pieces = []
+    while size > 0 and (piece := os.pread(descriptor, size, start)):
+        pieces.append(piece)
+        start, size = start + len(piece), size - len(piece)
+    return b"".join(pieces)
+
+
+# O_DSYNC, as fdatasync, puts the appended bytes and the length that makes them readable on
+# disk, without the timestamps' write; a system without it syncs after the write (fdatasync,
+# or fsync where there is none).
+_DSYNC = getattr(os, "O_DSYNC", 0)
 _sync = getattr(os, "fdatasync", os.fsync)
 
 

@@ -150,25 +150,46 @@ def encode_chunks(
 ) -> tuple[pb.PayloadHeader, Iterator[pb.PayloadChunk]]:
     """The header and, made one at a time, the chunks of ``encode_payload``: a sender that
     serialises each chunk as it comes never holds the message's bytes twice."""
+    header, pieces = encode_pieces(payload, codec, chunk_bytes, kind, **fields)
+
+    def chunks() -> Iterator[pb.PayloadChunk]:
+        for piece in pieces:
+            chunk = pb.PayloadChunk()
+            fill_chunk(chunk, header, *piece)
+            yield chunk
+
+    return header, chunks()
+
+
+def encode_pieces(
+    payload: Payload, codec: int = pb.RAW, chunk_bytes: int = DEFAULT_CHUNK_BYTES, kind: int = pb.PHASE, **fields
+) -> tuple[pb.PayloadHeader, Iterator[tuple[int, bytes, bool]]]:
+    """``encode_chunks`` as ``(offset, data, last)`` of each chunk, for a sender that writes them
+    into the chunk field of the message that carries them (``fill_chunk``): a chunk built on its
+    own is copied again, bytes and all, into a message made with it (``SiteMessage(chunk=...)``
+    costs about 2 ms per MiB)."""
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     header, arrays = encode_header(payload, codec, kind, **fields)
 
-    def chunks() -> Iterator[pb.PayloadChunk]:
-        pieces = _cut(arrays, chunk_bytes)
-        offset, data = next(pieces)
-        for following in pieces:
-            chunk = pb.PayloadChunk(offset=offset, data=data)
-            if offset == 0:
-                chunk.header.CopyFrom(header)
-            yield chunk
+    def pieces() -> Iterator[tuple[int, bytes, bool]]:
+        cut = _cut(arrays, chunk_bytes)
+        offset, data = next(cut)
+        for following in cut:
+            yield offset, data, False
             offset, data = following
-        last = pb.PayloadChunk(offset=offset, data=data, last=True)
-        if offset == 0:
-            last.header.CopyFrom(header)
-        yield last
+        yield offset, data, True
 
-    return header, chunks()
+    return header, pieces()
+
+
+def fill_chunk(chunk: pb.PayloadChunk, header: pb.PayloadHeader, offset: int, data: bytes, last: bool) -> None:
+    """Write one piece of ``encode_pieces`` into ``chunk`` (an empty one); the first carries the header."""
+    chunk.offset, chunk.data = offset, data
+    if last:
+        chunk.last = True
+    if offset == 0:
+        chunk.header.CopyFrom(header)
 
 
 def _cut(arrays: list[np.ndarray], chunk_bytes: int):

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from dadfl.protos import coordinator_pb2 as cpb
-from dadfl.protos.codec import Assembled
+from dadfl.protos.codec import Assembled, fill_chunk
 
 MAX_QUEUED_EVENTS = 16
 SYNC_WINDOW_S = 60.0
@@ -79,6 +79,20 @@ class Encoded:
     @classmethod
     def of(cls, message: cpb.ServerMessage) -> "Encoded":
         return cls(message.SerializeToString(), message.WhichOneof("kind") == "step_begin" or message.HasField("next"))
+
+    @classmethod
+    def chunks(cls, header, pieces, going_next: cpb.StepNext | None = None) -> list["Encoded"]:
+        """The chunk messages of ``codec.encode_pieces``, each piece written into its message (a
+        chunk made apart is copied again into a message made with it: about 2 ms per MiB); the
+        first carries ``going_next``."""
+        encoded = []
+        for piece in pieces:
+            message = cpb.ServerMessage()
+            fill_chunk(message.chunk, header, *piece)
+            if going_next is not None and not encoded:
+                message.next.CopyFrom(going_next)
+            encoded.append(cls.of(message))
+        return encoded
 
     def wire_size(self) -> int:
         return len(self.data) + GRPC_FRAME_BYTES

@@ -85,7 +85,7 @@ from dadfl.metrics import MetricsWriter, is_eval_step, read_metrics, run_summary
 from dadfl.report import write_plots
 from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.protos import tensor_pb2 as pb
-from dadfl.protos.codec import encode_chunks
+from dadfl.protos.codec import encode_pieces
 from dadfl.records import StepRecord
 from dadfl.replica import Decoded
 from dadfl.sanitize import REASON_CHARS, one_line
@@ -355,12 +355,12 @@ class StepLoop:
                 loss_sum = sum(u.header.loss_sum for _, u in uploads)
             # in the message now: not held while it is sent and answered (under dSGD each is model-sized)
             del events, uploads, screened, aggregated
-            header, chunks = encode_chunks(message, self.codec, self.config.wire.chunk_bytes, kind=pb.PHASE, attempt=attempt)
+            header, pieces = encode_pieces(message, self.codec, self.config.wire.chunk_bytes, kind=pb.PHASE, attempt=attempt)
             messages.append(sent)  # what every site decodes
             # Serialised once for every site, a chunk at a time (the message's bytes are held
             # once). Every phase's message says that the next step follows by itself: only the
             # site's half knows which phase is its last.
-            wire = [Encoded.of(cpb.ServerMessage(chunk=chunk, next=going_next if i == 0 else None)) for i, chunk in enumerate(chunks)]
+            wire = Encoded.chunks(header, pieces, going_next)
             for link in active:
                 self._send(link, *wire)
             del message, wire  # the outboxes hold the bytes until written; ``sent`` is what the step applies

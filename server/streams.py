@@ -30,7 +30,7 @@ from google.protobuf.message import DecodeError
 
 from dadfl.protos import coordinator_pb2 as cpb
 from dadfl.protos import tensor_pb2 as pb
-from dadfl.protos.codec import PayloadAssembler, WireError, encode_chunks, encode_payload
+from dadfl.protos.codec import PayloadAssembler, WireError, encode_pieces
 from dadfl.protos.repair import block_hashes, repair_payload
 from dadfl.protos.state import state_payload
 from dadfl.sanitize import REASON_CHARS, one_line
@@ -231,11 +231,11 @@ class SiteStreams:
         cached = self._state_encoded
         messages = [ref() for ref in cached[1]] if cached is not None and cached[0] == version else [None]
         if any(message is None for message in messages):  # not encoded for this version, or partly written and freed
-            _, chunks = encode_chunks(  # serialised a chunk at a time: the state's bytes are held once
+            header, pieces = encode_pieces(  # serialised a chunk at a time: the state's bytes are held once
                 state_payload(self.replica, self.step), chunk_bytes=self.config.wire.chunk_bytes, kind=pb.STATE,
                 base_fingerprint=self.fingerprint,
             )
-            messages = [Encoded.of(cpb.ServerMessage(chunk=c)) for c in chunks]
+            messages = Encoded.chunks(header, pieces)
             self._state_encoded = (version, [weakref.ref(message) for message in messages])
         return messages
 
@@ -254,8 +254,7 @@ class SiteStreams:
             messages = self._state_messages()
             link.full_states += 1
         else:
-            chunks = encode_payload(repair, chunk_bytes=self.config.wire.chunk_bytes, kind=pb.REPAIR, base_fingerprint=self.fingerprint)
-            messages = [Encoded.of(cpb.ServerMessage(chunk=c)) for c in chunks]
+            messages = Encoded.chunks(*encode_pieces(repair, chunk_bytes=self.config.wire.chunk_bytes, kind=pb.REPAIR, base_fingerprint=self.fingerprint))
         nbytes = sum(m.wire_size() for m in messages)
         link.repair_bytes += nbytes
         what = "the full state" if repair is None else f"{len(repair.tensors)} of {len(own)} state blocks"

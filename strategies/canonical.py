@@ -82,8 +82,10 @@ def canonical_step(
 def _chunks(*tensors: torch.Tensor):
     """Matching slices of ``CHUNK_ELEMENTS`` of the tensors' flat views (the whole tensors when
     one is not contiguous): float64 temporaries the size of a chunk stay in cache, where whole
-    parameters' would be fresh allocations each (docs/benchmarks-runtime.md has the step's cost)."""
-    if not all(t.is_contiguous() for t in tensors):
+    parameters' would be fresh allocations each (docs/benchmarks-runtime.md has the step's cost).
+    Tensors of one chunk or less are that chunk as they are: the same elementwise operations,
+    without a view and a slice per tensor (most of a small parameter's step)."""
+    if tensors[0].numel() <= CHUNK_ELEMENTS or not all(t.is_contiguous() for t in tensors):
         yield tensors
         return
     flats = [t.view(-1) for t in tensors]

@@ -572,7 +572,10 @@ def forward_losses(
     args = as_args(inputs)
     recorder = FactorCapture(model, layout if capture else Layout((), (), (), ()), args, per_sample)
     with autocast(precision, args[0].device):
-        with recorder:
+        if capture or per_sample:
+            with recorder:
+                outputs = model(*args)
+        else:  # nothing to record: the forward without a handler on every torch call (the same operations)
             outputs = model(*args)
         return recorder, sample_losses(loss_fn, outputs, targets)
 

@@ -162,6 +162,10 @@ def apply_update(model: nn.Module, optimizer: torch.optim.Optimizer, update: Map
     canonical_step(optimizer, list(grads(update.items())) if isinstance(update, Mapping) else grads(update.items()))
 
 
+# dtypes whose CPU tensors numpy views as they are (not bfloat16, which numpy lacks)
+NUMPY_HASHED = frozenset({torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool})
+
+
 def weights_fingerprint(model: nn.Module) -> str:
     """A 128-bit hash (XXH3) of every parameter's and buffer's name and bits, in order: equal
     iff replicas are bit-identical, short of a 2⁻¹²⁸ accident.
@@ -172,7 +176,10 @@ def weights_fingerprint(model: nn.Module) -> str:
     does that about 30× faster than SHA-256 (0.08 ms against 2.2 ms for the 4.5 MB of a
     1.1M-parameter MLP on one core here)."""
     digest = xxhash.xxh3_128()
-    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+    for name, tensor in (*model.named_parameters(), *model.named_buffers()):
         digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())  # hashed in place, no copy
+        if tensor.dtype in NUMPY_HASHED and tensor.device.type == "cpu" and tensor.is_contiguous():
+            digest.update(tensor.detach().numpy())  # the same bytes, read in place with one call fewer per view
+        else:
+            digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())  # hashed in place, no copy
     return digest.hexdigest()

@@ -53,13 +53,17 @@ class StepBatchSampler(Sampler[list[int]]):
         self.num_samples, self.batch_size, self.seed, self.start = num_samples, batch_size, seed, start
 
     def __iter__(self) -> Iterator[list[int]]:
+        return (positions.tolist() for positions in self.positions())
+
+    def positions(self) -> Iterator[torch.Tensor]:
+        """The batches as int64 tensors of positions (what ``collate`` gathers with)."""
         size = min(self.batch_size, self.num_samples)
         per_epoch = self.num_samples // size
         epoch, first = divmod(self.start, per_epoch)
         while True:
             order = epoch_permutation(self.num_samples, self.seed, epoch)
             for slot in range(first, per_epoch):
-                yield order[slot * size : (slot + 1) * size].tolist()
+                yield order[slot * size : (slot + 1) * size]
             epoch, first = epoch + 1, 0
 
 
@@ -78,14 +82,14 @@ class SplitDataset(Dataset):
         return self.split.inputs[sample], self.split.targets[sample]
 
 
-def collate(dataset: Dataset, positions: list[int]):
+def collate(dataset: Dataset, positions: list[int] | torch.Tensor):
     """``default_collate([dataset[i] for i in positions])``. For a :class:`SplitDataset` (the
     data already in memory) one gather per tensor instead: the same values, without a Python
     call per sample (a step of a small model spent more time drawing its batch than training)."""
     if type(dataset) is SplitDataset:  # a subclass may change __getitem__
-        chosen = dataset.index[torch.as_tensor(positions, dtype=torch.int64)]
-        return dataset.split.inputs[chosen], dataset.split.targets[chosen]
-    return default_collate([dataset[i] for i in positions])
+        chosen = dataset.index.index_select(0, torch.as_tensor(positions, dtype=torch.int64))
+        return dataset.split.inputs.index_select(0, chosen), dataset.split.targets.index_select(0, chosen)
+    return default_collate([dataset[i] for i in (positions.tolist() if isinstance(positions, torch.Tensor) else positions)])
 
 
 class StepBatches:
@@ -117,7 +121,7 @@ class StepBatches:
         if self._loader is None or step != self._next_step:
             sampler = StepBatchSampler(len(self.dataset), self.batch_size, self.seed, start=step)
             if not self.num_workers and not self.pin_memory:  # nothing for a DataLoader to add
-                self._loader = (collate(self.dataset, positions) for positions in sampler)
+                self._loader = (collate(self.dataset, positions) for positions in sampler.positions())
             else:
                 # Workers start by spawn: a site forks after gRPC's threads exist, and a forked
                 # child of a process with gRPC threads can hang.

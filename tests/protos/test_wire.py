@@ -153,3 +153,25 @@ def test_assembler_keeps_working_after_a_payload():
         for chunk in wire(encode_payload(Payload(step, 0, 1, {"x:grad": torch.full((300,), float(step))}), chunk_bytes=500)):
             done = assembler.feed(chunk)
         assert done.payload.step == step and torch.equal(done.payload.tensors["x:grad"], torch.full((300,), float(step)))
+
+
+def test_chunks_written_into_their_messages_are_the_bytes_of_chunks_made_apart():
+    """Site and coordinator write each chunk into the message that carries it (``encode_pieces``,
+    ``fill_chunk``): the same bytes on the wire as a chunk built apart and copied in."""
+    from dadfl.protos import coordinator_pb2 as cpb
+    from dadfl.protos.codec import encode_pieces, fill_chunk
+    from dadfl.server.links import Encoded
+
+    payload, going_next = sample_payload(), cpb.StepNext(checkpoint_step=4)
+    apart = encode_payload(payload, chunk_bytes=1000, kind=pb.PHASE, attempt=2, loss_sum=1.5)
+    assert len(apart) > 2
+    expected = [cpb.ServerMessage(chunk=c, next=going_next if i == 0 else None).SerializeToString() for i, c in enumerate(apart)]
+    header, pieces = encode_pieces(payload, chunk_bytes=1000, kind=pb.PHASE, attempt=2, loss_sum=1.5)
+    assert [e.data for e in Encoded.chunks(header, pieces, going_next)] == expected
+    header, pieces = encode_pieces(payload, chunk_bytes=1000, kind=pb.PHASE, attempt=2, loss_sum=1.5)
+    site = []
+    for piece in pieces:
+        message = cpb.SiteMessage()
+        fill_chunk(message.chunk, header, *piece)
+        site.append(message.SerializeToString())
+    assert site == [cpb.SiteMessage(chunk=c).SerializeToString() for c in apart]

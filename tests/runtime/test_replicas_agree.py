@@ -136,6 +136,23 @@ def test_an_update_applied_one_parameter_at_a_time_has_the_bits_of_the_whole_one
         assert each.apply(messages) == whole.apply_update(whole.decode(messages)), f"step {step}"
 
 
+@pytest.mark.parametrize("optimizer", [OptimizerConfig(momentum=0.9, weight_decay=1e-3), OptimizerConfig(name="adam", lr=1e-3)], ids=["sgd", "adam"])
+def test_a_parameter_of_one_chunk_steps_whole_to_the_bits_of_the_chunked_step(monkeypatch, optimizer):
+    """``canonical_step`` steps a parameter of at most ``CHUNK_ELEMENTS`` as it is, without
+    flat views; chunks of 7 elements (every parameter cut, most cuts ragged) end on the same bits."""
+    from dadfl.strategies import canonical
+
+    workload = load_workload("digits-mlp", hidden=16)
+    whole = Replica(workload, make_strategy("dsgd"), optimizer)
+    chunked = Replica(workload, make_strategy("dsgd"), optimizer)
+    chunked.load_weights_from(whole)
+    for step, messages in two_sites_steps(whole, batch=8):
+        expected = whole.apply(messages)
+        with monkeypatch.context() as patch:
+            patch.setattr(canonical, "CHUNK_ELEMENTS", 7)
+            assert chunked.apply(messages) == expected, f"step {step}"
+
+
 def test_an_update_that_names_a_parameter_twice_is_refused():
     """A dict keeps a key's last value; entries made one at a time must not step a parameter
     twice: the coordinator's message check refuses them before the message is sent."""

@@ -227,3 +227,39 @@ def test_empty_states_are_renamed_files_and_never_take_a_stateful_states_bytes(t
     again.keep_only({13, 14})
     assert torch.equal(HalfStates(tmp_path, "site-a", "run1", cpu).load(13)["error/w"], torch.full((3,), 13.0))
     assert HalfStates(tmp_path, "site-a", "run1", cpu).load(14) == {}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_empty_states_move_by_one_rename_through_replays_and_restarts(tmp_path, seed):
+    """A stateless half's save (``keep``) renames the empty file of a state it drops (the same
+    inode under the new step's name); replays and restarts keep every kept step restorable."""
+    import random
+
+    from dadfl.client.half_states import HalfStates
+
+    rng, cpu = random.Random(seed), torch.device("cpu")
+    states = HalfStates(tmp_path, "site-a", "run1", cpu)
+    step = checkpoint = 0
+    renamed = 0
+    for _ in range(80):
+        draw = rng.random()
+        if draw < 0.05:  # a restarted site process, maybe behind the server
+            states = HalfStates(tmp_path, "site-a", "run1", cpu)
+            step = max(checkpoint, step - rng.randint(0, 3))
+        elif draw < 0.12:  # the coordinator resumes from its checkpoint
+            step = checkpoint
+        states.keep_only({checkpoint, step - 1, step})
+        inodes = {kept: (states.folder / f"half-{kept}.pt").stat().st_ino for kept in states.on_disk}
+        states.save(step + 1, {}, keep={checkpoint, step})
+        assert states.steps() - {0} <= {checkpoint, step, step + 1}
+        dropped = {inodes[gone] for gone in set(inodes) - states.on_disk}
+        if dropped and step + 1 not in inodes:
+            renamed += (states.folder / f"half-{step + 1}.pt").stat().st_ino in dropped
+        if (step + 1) % 6 == 0:
+            checkpoint = step + 1
+        step += 1
+        for kept in states.steps() - {0}:
+            assert states.load(kept) == {}
+        assert len(list(states.folder.iterdir())) <= 5, "three states and two spares at most"
+    assert renamed > 40, "most steps take over the dropped state's file"
+    assert HalfStates(tmp_path, "site-a", "run1", cpu).load(step) == {}
