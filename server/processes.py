@@ -85,8 +85,9 @@ def simulation_configs(config: SimulationConfig, spec: StrategySpec, folder: Pat
             "workload": {"spec": config.workload, "options": config.workload_options, "path": [str(p.resolve()) for p in config.workload_path]},
             "strategy": {"name": spec.name, "options": spec.options, "label": spec.display},
             "optimizer": config.optimizer.model_dump(),
+            # no plots: the folder is temporary (the caller draws its own from the records)
             "training": {"steps": config.steps, "batch_size": config.batch_size, "eval_every": config.eval_every, "checkpoint_every": 0,
-                         "precision": config.precision},
+                         "precision": config.precision, "plots": False},
             "wire": {"max_payload_bytes": SIMULATION_PAYLOAD_BYTES},
             "federation": {
                 "min_sites": config.sites, "initial_sites": config.sites, "linger_s": 0,
