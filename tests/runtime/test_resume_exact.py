@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import subprocess
 import time
@@ -101,8 +102,8 @@ class Federation:
     def finish(self) -> dict[str, torch.Tensor]:
         assert self.server.wait(120) == 0, self.log("server")
         assert self.process_site.wait(60) == 0, self.log("site-1")
-        self.thread_site.join(60)
-        assert [r["step"] for r in records(self.server_cfg.run_dir)] == list(range(STEPS))
+        self.thread_site_summary = self.thread_site.join(60)
+        assert [r["step"] for r in records(self.server_cfg.run_dir)] == list(range(STEPS)), "every step once, none lost or doubled"
         return final_model(self.server_cfg.run_dir)
 
     def log(self, name: str) -> str:
@@ -137,7 +138,9 @@ def test_killed_coordinator_and_killed_site_resume_bit_identically(tmp_path, str
         reference_server, reference_sites = uninterrupted(tmp_path / "reference", strategy)  # alongside the killed run
         federation = Federation(tmp_path / "killed", strategy)
         try:
-            federation.kill_after(SERVER_KILL_AFTER, federation.server)
+            done = federation.kill_after(SERVER_KILL_AFTER, federation.server)
+            # SIGKILL may land mid-write and leave checkpoint.pt.tmp; the renamed file is always whole.
+            assert (federation.server_cfg.run_dir / checkpoint.CHECKPOINT).exists()
             federation.server = federation.start("server", federation.server_toml)
             federation.kill_after(SITE_KILL_AFTER, federation.process_site)
             federation.process_site = federation.start("site", federation.site_toml)
@@ -152,6 +155,9 @@ def test_killed_coordinator_and_killed_site_resume_bit_identically(tmp_path, str
     reference = final_model(tmp_path / "reference" / "run")
     server_log = federation.log("server")
     assert "resuming run" in server_log and "site-1 joined" in server_log.rsplit("resuming run", 1)[1]
+    last_checkpoint = done // CHECKPOINT_EVERY * CHECKPOINT_EVERY  # or the one before, if the kill hit its write
+    assert re.search(rf"resuming run \S+ at step ({last_checkpoint}|{last_checkpoint - CHECKPOINT_EVERY}) ", server_log), server_log[-3000:]
+    assert federation.thread_site_summary.connections >= 2, "site-0 followed the restarted coordinator"
     assert "strategy state reset" not in server_log
     saved = sorted(p.name for p in (tmp_path / "killed" / "site-1-state").rglob("half-*.pt"))
     assert 1 <= len(saved) <= 3, f"a site keeps only the states the server may ask for, not {saved}"
