@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import random
 import socket
 import tempfile
 import threading
@@ -29,26 +30,29 @@ from dadfl.simulation import SimulationConfig, StrategySpec
 from dadfl.workloads import BUILTIN
 
 # Ports for the servers a test must restart on the same address (or tell a process before
-# it starts): each xdist worker takes them from its own block, below the kernel's ephemeral
+# it starts): each xdist worker takes them from its own block below the kernel's ephemeral
 # range (32768 and up on Linux), so neither another worker nor a port the kernel hands out
 # (a bind to port 0, an outgoing connection) can take a port between its choice and its use.
-PORT_BASE, PORT_BLOCK = 20000, 500
+# Each worker starts at a random place in its block: another test session on the machine
+# walks the same blocks from elsewhere.
+PORTS = range(10000, 32768)
 
 
 def _worker_ports():
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")  # "gw3"; no xdist: the block of gw0
-    blocks = (32768 - PORT_BASE) // PORT_BLOCK
-    start = PORT_BASE + int(worker.removeprefix("gw")) % blocks * PORT_BLOCK
-    return itertools.cycle(range(start, start + PORT_BLOCK))
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    size = len(PORTS) // workers
+    block = PORTS[worker * size : (worker + 1) * size]
+    start = random.SystemRandom().randrange(len(block))  # leaves the seeded `random` alone
+    return itertools.cycle([*block[start:], *block[:start]])
 
 
 _ports = _worker_ports()
 
 
 def free_port() -> int:
-    """A loopback port of this worker's block that nobody listens on now (another session
-    on the machine may use the same block: a port it holds is skipped)."""
-    for _ in range(PORT_BLOCK):
+    """A loopback port of this worker's block that nobody holds now."""
+    for _ in range(len(PORTS)):
         port = next(_ports)
         with socket.socket() as sock:
             try:
@@ -56,7 +60,7 @@ def free_port() -> int:
             except OSError:
                 continue
             return port
-    raise OSError(f"every port of this worker's block from {PORT_BASE} is in use")
+    raise OSError("every port of this worker's block is in use")
 
 
 def server_config(tmp: Path, **sections) -> ServerConfig:

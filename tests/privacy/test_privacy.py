@@ -396,7 +396,8 @@ def test_sim_command_keeps_the_default_strategies_dp_can_run_and_reports_epsilon
 
     from dadfl.cli import app
 
-    result = CliRunner().invoke(app, ["sim", "--workload", "breast-cancer-mlp", "--steps", "3", "--sites", "2", "--dp-epsilon", "5", "--out", str(tmp_path)])
+    command = ["sim", "--workload", "breast-cancer-mlp", "--steps", "3", "--sites", "2", "--dp-epsilon", "5", "--out", str(tmp_path)]
+    result = CliRunner().invoke(app, command)
     assert result.exit_code == 0, result.output
     (run_dir,) = tmp_path.iterdir()
     summaries = json.loads((run_dir / "summary.json").read_text())
