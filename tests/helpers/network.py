@@ -1,4 +1,5 @@
-"""Helpers of the networked-runtime tests: a coordinator in a thread, sites in threads, configs.
+"""Helpers of the networked-runtime tests: a coordinator in a thread, sites in threads, configs,
+a whole simulation's federation in threads, ports that no other test worker takes.
 
 Everything here runs the real components (gRPC server and channels on loopback, real
 TLS, real files); threads only save the seconds a fresh Python process costs.
@@ -13,18 +14,17 @@ import random
 import socket
 import tempfile
 import threading
-import tomllib
 from pathlib import Path
 
 import torch
 
 from dadfl.client.config import SiteConfig
 from dadfl.client.site import run_site
-from dadfl.config import load_config, validate_config
+from dadfl.config import load_config
 from dadfl.metrics import MetricsWriter, read_metrics, read_summary
 from dadfl.server.config import ServerConfig
 from dadfl.server.enrol import enroll, write_tokens
-from dadfl.server.processes import simulation_configs
+from dadfl.server.processes import enroll_sites, server_config_file, site_config_files
 from dadfl.server.runtime import serve
 from dadfl.simulation import SimulationConfig, StrategySpec
 from dadfl.workloads import BUILTIN
@@ -172,17 +172,14 @@ def simulate_threads(config: SimulationConfig, spec: StrategySpec, metrics: Metr
     loopback, the coordinator's records copied into ``metrics``; its summary returned."""
     with tempfile.TemporaryDirectory(prefix="dadfl-threads-") as tmp:
         folder = Path(tmp)
-        server_toml, site_tomls = simulation_configs(config, spec, folder, "127.0.0.1:0")
-        server_cfg = load_config(server_toml, ServerConfig)
+        tokens = enroll_sites(config, folder)
+        server_cfg = load_config(server_config_file(config, spec, folder, "127.0.0.1:0"), ServerConfig)
         threads = torch.get_num_threads()
         torch.set_num_threads(config.threads)  # what each process of simulate_processes does
         try:
             server = ServerThread(server_cfg).start()
-            sites = []
-            for site_toml in site_tomls:  # each site dials the port the coordinator took
-                data = tomllib.loads(site_toml.read_text())
-                data["connect"]["server"] = server.endpoint
-                sites.append(SiteThread(validate_config(data, SiteConfig, str(site_toml))).start())
+            site_tomls = site_config_files(config, folder, tokens, server.endpoint)
+            sites = [SiteThread(load_config(site_toml, SiteConfig)).start() for site_toml in site_tomls]
             for site in sites:
                 site.join()
             server.join()
