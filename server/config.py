@@ -73,6 +73,7 @@ class TrainingConfig(StrictModel):
     batch_size: int = Field(32, ge=1)
     eval_every: int = Field(10, ge=1, description="steps between held-out evaluations (and always after the last)")
     tensorboard: bool = Field(False, description="also write TensorBoard event files into run_dir/tensorboard (pip install 'dadfl[tensorboard]')")
+    plots: bool = Field(True, description="draw the loss and held-out metric plots (PNG) into run_dir at the end of the run")
     progress_every_s: float = Field(5.0, ge=0, description="at most one progress log line per this many seconds (evaluation steps always log)")
     checkpoint_every: int = Field(10, ge=0, description="steps between checkpoints; 0 = only at the end")
     precision: Precision = Field(

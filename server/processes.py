@@ -25,6 +25,7 @@ from dadfl.privacy.accounting import site_sample_rate
 from dadfl.simulation import SimulationConfig, StrategySpec
 
 from .enrol import enroll
+from .runtime import ENDPOINT_FILE
 
 POLL_S = 0.05
 
@@ -37,11 +38,6 @@ class ProcessFailed(RuntimeError):
 # to stop a peer's claims, so here it only has to admit the largest full state (a 100M-parameter
 # model with Adam's moments is 1.2 GB, over the 1 GiB default).
 SIMULATION_PAYLOAD_BYTES = 1 << 36
-# A site of a simulation retries until the coordinator listens, for as long as it builds its model;
-# one still running this long after the coordinator finished has nothing left to join.
-SITE_CONNECT_ATTEMPTS = 1_000_000
-SITE_GIVE_UP_S = 24 * 3600.0
-SITE_LINGER_S = 60.0
 
 
 def _toml_value(value: Any) -> str:
@@ -81,7 +77,19 @@ def simulation_configs(config: SimulationConfig, spec: StrategySpec, folder: Pat
     """The server config and one config per site, enrolled, in ``folder``. Sites connect to
     ``site_address`` when given (a relay in front of the coordinator), else to ``address``;
     a site named in ``site_devices`` (by index) trains on that device instead of ``config.device``."""
-    server = write_toml(
+    tokens = enroll_sites(config, folder)
+    return server_config_file(config, spec, folder, address), site_config_files(config, folder, tokens, site_address or address, site_devices)
+
+
+def enroll_sites(config: SimulationConfig, folder: Path) -> dict[str, str]:
+    """Each site's id and token, enrolled in ``folder/tokens.json``."""
+    # zero-padded: site-id order is site-index order
+    return {site_id: enroll(folder / "tokens.json", site_id) for site_id in (f"site-{index:03d}" for index in range(config.sites))}
+
+
+def server_config_file(config: SimulationConfig, spec: StrategySpec, folder: Path, address: str) -> Path:
+    """``folder/server.toml``: the coordinator of the simulation, listening on ``address``."""
+    return write_toml(
         folder / "server.toml",
         {
             "run_dir": str(folder / "run"),
@@ -90,8 +98,9 @@ def simulation_configs(config: SimulationConfig, spec: StrategySpec, folder: Pat
             "workload": {"spec": config.workload, "options": config.workload_options, "path": [str(p.resolve()) for p in config.workload_path]},
             "strategy": {"name": spec.name, "options": spec.options, "label": spec.display},
             "optimizer": config.optimizer.model_dump(),
+            # no plots: the folder is temporary (the caller draws its own from the records)
             "training": {"steps": config.steps, "batch_size": config.batch_size, "eval_every": config.eval_every, "checkpoint_every": 0,
-                         "precision": config.precision},
+                         "precision": config.precision, "plots": False},
             "wire": {"max_payload_bytes": SIMULATION_PAYLOAD_BYTES},
             "federation": {
                 "min_sites": config.sites, "initial_sites": config.sites, "linger_s": 0,
@@ -100,27 +109,26 @@ def simulation_configs(config: SimulationConfig, spec: StrategySpec, folder: Pat
             **({"dp": {**config.dp.model_dump(exclude_none=True), "max_sample_rate": dp_sample_rate(config)}} if config.dp else {}),
         },
     )
+
+
+def site_config_files(config: SimulationConfig, folder: Path, tokens: dict[str, str], address: str,
+                      site_devices: dict[int, str] | None = None) -> list[Path]:
+    """``folder/SITE_ID.toml`` for each site of ``tokens`` (in site-index order), dialling ``address``."""
     sites = []
-    for index in range(config.sites):
-        site_id = f"site-{index:03d}"  # zero-padded: site-id order is site-index order
+    for index, (site_id, token) in enumerate(tokens.items()):
         sites.append(
             write_toml(
                 folder / f"{site_id}.toml",
                 {
                     "site_id": site_id,
-                    "token": enroll(folder / "tokens.json", site_id),
+                    "token": token,
                     "allowed_workloads": [config.workload],  # the simulation's own workload, built-in or not
                     "device": (site_devices or {}).get(index, config.device),
                     "threads": config.threads,
                     "limits": {"max_payload_bytes": SIMULATION_PAYLOAD_BYTES},
                     "workload_path": [str(p.resolve()) for p in config.workload_path],
-                    # sites start with the coordinator and retry until it listens, however long it
-                    # builds its model (minutes at 100M parameters on a busy machine): the harness
-                    # stops them when the coordinator fails or has finished (``_follow``)
-                    "connect": {
-                        "server": site_address or address, "backoff_initial_s": 0.2, "backoff_max_s": 1.0,
-                        "max_attempts": SITE_CONNECT_ATTEMPTS, "give_up_after_s": SITE_GIVE_UP_S,
-                    },
+                    # retry until the coordinator listens (bench/links.py starts every process at once)
+                    "connect": {"server": address, "backoff_initial_s": 0.2, "backoff_max_s": 1.0, "max_attempts": 100},
                     "data": {
                         "source": "partition", "scheme": config.partition, "site_index": index,
                         "num_sites": config.sites, "alpha": config.alpha, "seed": config.seed,
@@ -128,7 +136,7 @@ def simulation_configs(config: SimulationConfig, spec: StrategySpec, folder: Pat
                 },
             )
         )
-    return server, sites
+    return sites
 
 
 def _module(package: str, *args: str) -> list[str]:
@@ -147,7 +155,10 @@ def simulate_processes(
     ``site_devices`` puts a site on another device (``{1: "cuda"}``)."""
     with tempfile.TemporaryDirectory(prefix="dadfl-processes-") as tmp:
         folder = Path(tmp)
-        server_toml, site_tomls = simulation_configs(config, spec, folder, f"127.0.0.1:{free_port()}", site_devices=site_devices)
+        tokens = enroll_sites(config, folder)
+        # Port 0: the coordinator takes a free port when it listens and writes it to its run
+        # folder; a port chosen here and handed over could be taken by then.
+        server_toml = server_config_file(config, spec, folder, "127.0.0.1:0")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         logs: dict[str, Path] = {}
         processes: dict[str, subprocess.Popen] = {}
@@ -159,6 +170,8 @@ def simulate_processes(
 
         try:
             start("coordinator", _module("dadfl.server", "--config", str(server_toml), "--insecure"))
+            endpoint = _endpoint(folder / "run" / ENDPOINT_FILE, processes["coordinator"], logs["coordinator"])
+            site_tomls = site_config_files(config, folder, tokens, endpoint, site_devices)
             for index, site_toml in enumerate(site_tomls):
                 start(site_toml.stem, _module("dadfl.client", "--config", str(site_toml), "--insecure"), (site_env or {}).get(index))
             _follow(folder / "run" / "metrics.jsonl", processes, logs, metrics, progress)
@@ -173,18 +186,21 @@ def simulate_processes(
         return read_summary(summary)[0]  # the coordinator's summary of its records (metrics.run_summary)
 
 
-def _follow(path: Path, processes: dict, logs: dict, metrics: MetricsWriter, progress) -> None:
-    """Copy records as the coordinator writes them, until every process has exited.
+def _endpoint(path: Path, coordinator: subprocess.Popen, log: Path) -> str:
+    """The address the coordinator listens on, once it does."""
+    while not path.exists():
+        if coordinator.poll() is not None:
+            raise ProcessFailed(f"coordinator exited with {coordinator.returncode} before listening:\n{log.read_text()[-3000:]}")
+        time.sleep(POLL_S)
+    return path.read_text()
 
-    Raises :class:`ProcessFailed` when a process exits with an error, or a site is still running
-    ``SITE_LINGER_S`` after the coordinator finished (the caller then stops every process)."""
+
+def _follow(path: Path, processes: dict, logs: dict, metrics: MetricsWriter, progress) -> None:
+    """Copy records as the coordinator writes them, until every process has exited."""
     offset = 0
-    coordinator_done_at = None
     while True:
         running = [name for name, p in processes.items() if p.poll() is None]
         failed = [name for name, p in processes.items() if p.returncode not in (None, 0)]
-        if processes["coordinator"].returncode == 0 and coordinator_done_at is None:
-            coordinator_done_at = time.monotonic()
         if path.exists():
             with path.open() as file:
                 file.seek(offset)
@@ -199,9 +215,6 @@ def _follow(path: Path, processes: dict, logs: dict, metrics: MetricsWriter, pro
         if failed:
             name = failed[0]
             raise ProcessFailed(f"{name} exited with {processes[name].returncode}:\n{logs[name].read_text()[-3000:]}")
-        if running and coordinator_done_at is not None and time.monotonic() - coordinator_done_at > SITE_LINGER_S:
-            name = running[0]
-            raise ProcessFailed(f"{name} was still running {SITE_LINGER_S:.0f} s after the coordinator finished:\n{logs[name].read_text()[-3000:]}")
         if not running:
             return
         time.sleep(POLL_S)

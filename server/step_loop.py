@@ -494,7 +494,7 @@ class StepLoop:
         return evals
 
     def _write_report(self) -> None:
-        """``summary.json`` and the plots of ``dadfl sim``, from this run's metrics."""
+        """``summary.json`` and (``training.plots``) the plots of ``dadfl sim``, from this run's metrics."""
         records = list(read_metrics(self.run_dir / "metrics.jsonl"))
         if not records:
             return
@@ -503,4 +503,5 @@ class StepLoop:
             summary.update(self.privacy.summary())
             log.info("run %s: (ε = %.3g, δ = %g)-differentially private", self.run_id, summary["dp_epsilon"], self.privacy.budget.delta)
         write_summary(self.run_dir / "summary.json", [summary])
-        write_plots(self.run_dir)
+        if self.config.training.plots:
+            write_plots(self.run_dir)

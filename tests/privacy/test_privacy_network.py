@@ -1,5 +1,6 @@
-"""[dp] over gRPC: real coordinator and site processes draw fresh Poisson batches,
-release only the noisy dense update, and account the same ε; hostile dp fields are refused."""
+"""[dp] over gRPC: a real coordinator and sites draw fresh Poisson batches, release only the
+noisy dense update and account the same ε, also across a killed coordinator process; hostile
+dp fields are refused."""
 
 from __future__ import annotations
 
@@ -14,28 +15,28 @@ from dadfl.privacy.ledger import LEDGER_FILE
 from dadfl.trust.run_checks import RunRefused, check_run_config
 from dadfl.metrics import MetricsWriter, read_metrics
 from dadfl.privacy.accounting import SitePrivacy, epsilon
-from dadfl.server import simulate_processes
 from dadfl.server.config import ServerConfig
 from dadfl.simulation import SimulationConfig, StrategySpec, simulate
+from tests.helpers.network import simulate_threads
 from tests.trust.test_site_trust import demo_site_config, error_lines, fake_coordinator, run_config, run_site_process, site_toml, write_marker_workload  # noqa: F401 (a fixture)
 
 
-@pytest.mark.slow
 @pytest.mark.network
-def test_processes_draw_fresh_poisson_batches_and_account_the_same_epsilon(tmp_path):
-    """Site processes draw every upload's Poisson batch from the operating system (a replay is
-    a new sample, as the accountant counts it); the simulation seeds its draws. Both release
-    the same dense noisy update every step and account the same ε."""
+def test_sites_draw_fresh_poisson_batches_and_account_the_same_epsilon(tmp_path):
+    """Sites (in threads, from the multi-process simulation's config files) draw every upload's
+    Poisson batch from the operating system (a replay is a new sample, as the accountant counts
+    it); the simulation seeds its draws. Both release the same dense noisy update every step
+    and account the same ε."""
     spec = StrategySpec(name="dad")
     config = SimulationConfig(
         workload="digits-mlp", workload_options={"hidden": 16}, sites=3, batch_size=24, steps=6, eval_every=3,
         device="cpu", strategies=[spec], dp={"noise_multiplier": 1.0, "max_grad_norm": 0.5},
     )
-    with MetricsWriter(tmp_path / "processes.jsonl") as metrics:
-        summary = simulate_processes(config, spec, metrics)
+    with MetricsWriter(tmp_path / "networked.jsonl") as metrics:
+        summary = simulate_threads(config, spec, metrics)
     with MetricsWriter(tmp_path / "memory.jsonl") as metrics:
         reference = simulate(config, spec, metrics)
-    networked, in_memory = list(read_metrics(tmp_path / "processes.jsonl")), list(read_metrics(tmp_path / "memory.jsonl"))
+    networked, in_memory = list(read_metrics(tmp_path / "networked.jsonl")), list(read_metrics(tmp_path / "memory.jsonl"))
     for net, mem in zip(networked, in_memory, strict=True):
         for key in ("step", "sites", "bytes_down", "dp_epsilon"):
             assert net.get(key) == mem.get(key), key

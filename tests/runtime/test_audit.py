@@ -4,13 +4,14 @@ sites and a real coordinator over loopback gRPC."""
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
+from typer.testing import CliRunner
 
 from dadfl.audit import AuditError, AuditLog, verify
+from dadfl.cli import app
 from dadfl.trust.run_checks import RunRefused
-from tests.helpers.network import ServerThread, SiteThread, dadfl_command, server_config, site_config
+from tests.helpers.network import ServerThread, SiteThread, server_config, site_config
 
 
 def test_a_changed_removed_or_cut_line_breaks_the_chain(tmp_path):
@@ -50,7 +51,6 @@ def test_appends_from_two_writers_and_after_an_archived_file_keep_one_chain_each
     assert verify(tmp_path / "archived.jsonl").lines == 4
 
 
-@pytest.mark.network
 def test_audit_verify_command_prints_the_summary_and_finds_a_tampered_line(tmp_path):
     path = tmp_path / "audit.jsonl"
     log = AuditLog(path)
@@ -58,15 +58,15 @@ def test_audit_verify_command_prints_the_summary_and_finds_a_tampered_line(tmp_p
     for step in range(3):
         log.append("upload", run_id="r1", coordinator="fl.example.org:50051", step=step, bytes=1000,
                    tensors=[{"layer": "0", "role": "activations", "shape": [16, 64], "bytes": 1000}])
-    result = subprocess.run(dadfl_command("audit", "verify", str(path)), capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stdout + result.stderr
+    result = CliRunner().invoke(app, ["audit", "verify", str(path)])
+    assert result.exit_code == 0, result.output
     assert "run r1: 3 uploads to fl.example.org:50051" in result.stdout and "steps 0..2, 3,000 bytes" in result.stdout
     assert "activations of 1 layer (0)" in result.stdout and "chain intact" in result.stdout
 
     text = path.read_text().replace('"step":1', '"step":7')
     path.write_text(text)
-    result = subprocess.run(dadfl_command("audit", "verify", str(path)), capture_output=True, text=True, timeout=60)
-    assert result.returncode == 1 and "line 3 was changed after it was written" in result.stdout + result.stderr
+    result = CliRunner().invoke(app, ["audit", "verify", str(path)])
+    assert result.exit_code == 1 and "line 3 was changed after it was written" in result.output
 
 
 @pytest.mark.network

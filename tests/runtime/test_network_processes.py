@@ -1,5 +1,7 @@
-"""The multi-process simulation: real coordinator and site processes on loopback gRPC
-train the same model, bit for bit, as the in-process simulation."""
+"""The networked runtime trains the same model, bit for bit, as the in-process simulation:
+every strategy with the coordinator and sites in threads (real gRPC on loopback, the config
+files of the multi-process simulation), and the multi-process simulation itself (a coordinator
+and site processes) once."""
 
 from __future__ import annotations
 
@@ -9,11 +11,11 @@ from dadfl.metrics import MetricsWriter, read_metrics
 from dadfl.replica import OptimizerConfig
 from dadfl.server import simulate_processes
 from dadfl.simulation import SimulationConfig, StrategySpec, simulate
+from tests.helpers.network import simulate_threads
 
 pytestmark = pytest.mark.network  # every test here starts a coordinator, a site or a process
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "spec",
     [
@@ -29,32 +31,37 @@ pytestmark = pytest.mark.network  # every test here starts a coordinator, a site
     ],
     ids=lambda spec: spec.name + (f"-{spec.options['factor_bits']}bit" if "factor_bits" in spec.options else ""),
 )
-def test_processes_train_exactly_like_the_in_process_simulation(tmp_path, spec):
-    same_as_in_process(tmp_path, spec)
+def test_a_grpc_federation_trains_exactly_like_the_in_process_simulation(tmp_path, spec):
+    same_as_in_process(tmp_path, spec, simulate_threads)
 
 
+@pytest.mark.slow
 def test_processes_train_at_bf16_exactly_like_the_in_process_simulation(tmp_path):
-    """training.precision reaches every site process in the run config: bf16 factors up and
-    down, every replica bit-identical to the in-process run's."""
-    same_as_in_process(tmp_path, StrategySpec(name="dad", options={"downlink": "factors", "raw_input": "activations"}), "bf16")
+    """The processes' own path (config files, one interpreter each); training.precision reaches
+    every site process in the run config: bf16 factors up and down, every replica
+    bit-identical to the in-process run's."""
+    seen = []
+    spec = StrategySpec(name="dad", options={"downlink": "factors", "raw_input": "activations"})
+    same_as_in_process(tmp_path, spec, lambda config, spec, metrics: simulate_processes(config, spec, metrics, progress=seen.append), "bf16")
+    assert seen == list(range(6))
 
 
-def same_as_in_process(tmp_path, spec: StrategySpec, precision: str = "fp32") -> None:
+def same_as_in_process(tmp_path, spec: StrategySpec, federation, precision: str = "fp32") -> None:
+    """``federation(config, spec, metrics)`` (threads or processes) against :func:`simulate`."""
     config = SimulationConfig(
         workload="digits-mlp", workload_options={"hidden": 16}, sites=3, partition="quantity", batch_size=24, steps=6,
         eval_every=3, device="cpu", optimizer=OptimizerConfig(name="sgd", lr=0.1, momentum=0.9), strategies=[spec],
         precision=precision,
     )
-    seen = []
-    with MetricsWriter(tmp_path / "processes.jsonl") as metrics:
-        summary = simulate_processes(config, spec, metrics, progress=seen.append)
-    # Both modes run every replica on config.threads (1) torch threads: products round
+    with MetricsWriter(tmp_path / "networked.jsonl") as metrics:
+        summary = federation(config, spec, metrics)
+    # Every mode runs every replica on config.threads (1) torch threads: products round
     # differently with other thread counts.
     with MetricsWriter(tmp_path / "memory.jsonl") as metrics:
         reference = simulate(config, spec, metrics)
-    networked = list(read_metrics(tmp_path / "processes.jsonl"))
+    networked = list(read_metrics(tmp_path / "networked.jsonl"))
     in_memory = list(read_metrics(tmp_path / "memory.jsonl"))
-    assert seen == list(range(6))
+    assert [r["step"] for r in networked] == list(range(6))
     for net, mem in zip(networked, in_memory, strict=True):
         for key in ("strategy", "step", "sites", "samples", "train_loss", "bytes_up", "bytes_down", "fingerprint"):
             assert net[key] == mem[key], key

@@ -11,8 +11,10 @@ import threading
 import time
 
 import pytest
+from typer.testing import CliRunner
 
 from dadfl.audit import verify
+from dadfl.cli import app
 from dadfl.client.site import GaveUp
 from dadfl.metrics import read_metrics, write_summary
 from dadfl.protos.state_file import verify as verify_state_file
@@ -156,11 +158,10 @@ def test_status_list_readmit_and_stop_against_a_running_coordinator(tmp_path):
     output = (tmp_path / "server.log").read_text()
     assert server.returncode == 0, output[-3000:]
     assert "stopped by the operator after 0 of 4 steps; no step was committed" in output.strip().splitlines()[-1], output[-3000:]
-    running = [subprocess.Popen(dadfl_command(command, "--run-dir", str(config.run_dir)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-               for command in ("status", "stop")]
-    (after, _), (again, _) = [process.communicate(timeout=60) for process in running]
-    assert "phase: stopped by the operator" in after and "quarantined: none" in after, after
-    assert running[1].returncode == 1 and "nothing to stop" in again  # nothing runs any more
+    # Once it has stopped, the same commands in this process (the processes above showed them as such).
+    after, again = (CliRunner().invoke(app, [command, "--run-dir", str(config.run_dir)]) for command in ("status", "stop"))
+    assert "phase: stopped by the operator" in after.output and "quarantined: none" in after.output, after.output
+    assert again.exit_code == 1 and "nothing to stop" in again.output  # nothing runs any more
     operator = [(r["event"], r.get("command"), r.get("action")) for r in verify(config.run_dir / "audit.jsonl").records]
     assert operator == [("run", None, "started"), ("operator", "readmit", None), ("operator", "stop", None), ("run", None, "stopped by the operator")]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import subprocess
 import time
@@ -66,7 +67,7 @@ def wait_for(condition, timeout: float, what: str) -> None:
     while not condition():
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.01)
+        time.sleep(0.05)
 
 
 class Federation:
@@ -101,8 +102,8 @@ class Federation:
     def finish(self) -> dict[str, torch.Tensor]:
         assert self.server.wait(120) == 0, self.log("server")
         assert self.process_site.wait(60) == 0, self.log("site-1")
-        self.thread_site.join(60)
-        assert [r["step"] for r in records(self.server_cfg.run_dir)] == list(range(STEPS))
+        self.thread_site_summary = self.thread_site.join(60)
+        assert [r["step"] for r in records(self.server_cfg.run_dir)] == list(range(STEPS)), "every step once, none lost or doubled"
         return final_model(self.server_cfg.run_dir)
 
     def log(self, name: str) -> str:
@@ -115,6 +116,15 @@ class Federation:
                 process.wait(10)
 
 
+def uninterrupted(tmp: Path, strategy: str) -> tuple[ServerThread, list[SiteThread]]:
+    """The reference: the same run with nobody killed, the coordinator and both sites in
+    threads of this process (on one torch thread, as each process of the killed run)."""
+    server_cfg, _ = configs(tmp, strategy)
+    server = ServerThread(server_cfg).start()
+    _, site_cfgs = configs(tmp, strategy, port=int(server.endpoint.rsplit(":", 1)[1]))
+    return server, [SiteThread(c).start() for c in site_cfgs]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
 def test_killed_coordinator_and_killed_site_resume_bit_identically(tmp_path, strategy):
@@ -122,22 +132,32 @@ def test_killed_coordinator_and_killed_site_resume_bit_identically(tmp_path, str
     (it replays the steps after it), later a site process is SIGKILLed and started again."""
     for name in ("reference", "killed"):
         (tmp_path / name).mkdir()
-    # The reference runs alongside, in the same shape (a site thread, a site and a server
-    # process): processes and threads of one machine may round differently.
-    uninterrupted = Federation(tmp_path / "reference", strategy)
-    federation = Federation(tmp_path / "killed", strategy)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
-        federation.kill_after(SERVER_KILL_AFTER, federation.server)
-        federation.server = federation.start("server", federation.server_toml)
-        federation.kill_after(SITE_KILL_AFTER, federation.process_site)
-        federation.process_site = federation.start("site", federation.site_toml)
-        resumed = federation.finish()
-        reference = uninterrupted.finish()
+        reference_server, reference_sites = uninterrupted(tmp_path / "reference", strategy)  # alongside the killed run
+        federation = Federation(tmp_path / "killed", strategy)
+        try:
+            done = federation.kill_after(SERVER_KILL_AFTER, federation.server)
+            # SIGKILL may land mid-write and leave checkpoint.pt.tmp; the renamed file is always whole.
+            assert (federation.server_cfg.run_dir / checkpoint.CHECKPOINT).exists()
+            federation.server = federation.start("server", federation.server_toml)
+            federation.kill_after(SITE_KILL_AFTER, federation.process_site)
+            federation.process_site = federation.start("site", federation.site_toml)
+            resumed = federation.finish()
+        finally:
+            federation.stop()
+        reference_server.join()
+        for site in reference_sites:
+            site.join()
     finally:
-        federation.stop()
-        uninterrupted.stop()
+        torch.set_num_threads(threads)
+    reference = final_model(tmp_path / "reference" / "run")
     server_log = federation.log("server")
     assert "resuming run" in server_log and "site-1 joined" in server_log.rsplit("resuming run", 1)[1]
+    last_checkpoint = done // CHECKPOINT_EVERY * CHECKPOINT_EVERY  # or the one before, if the kill hit its write
+    assert re.search(rf"resuming run \S+ at step ({last_checkpoint}|{last_checkpoint - CHECKPOINT_EVERY}) ", server_log), server_log[-3000:]
+    assert federation.thread_site_summary.connections >= 2, "site-0 followed the restarted coordinator"
     assert "strategy state reset" not in server_log
     saved = sorted(p.name for p in (tmp_path / "killed" / "site-1-state").rglob("half-*.pt"))
     assert 1 <= len(saved) <= 3, f"a site keeps only the states the server may ask for, not {saved}"

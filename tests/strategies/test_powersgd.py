@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dadfl.server.processes import free_port
+from tests.helpers.network import free_port
 from dadfl.strategies import apply_update, local_step, make_strategy, probe_layout, reference_update, step_update
 from dadfl.strategies.powersgd import PowerSGD, orthogonalize, plan
 from dadfl.strategies.step import exchange
