@@ -168,11 +168,14 @@ def test_site_state_files_are_written_over_not_remade_and_a_damaged_or_misnamed_
     assert HalfStates(tmp_path, "site-a", "run1", cpu).load(12) == {}
 
 
-@pytest.mark.parametrize("seed", range(8))
-def test_site_states_survive_replays_and_restarts_in_any_order(tmp_path, seed):
-    """The steps a site sees go back (a coordinator resumed from its checkpoint, an aborted
-    step) and its process restarts; a step dropped twice once left its spare file listed twice,
-    and the second reuse of it stopped the site on FileNotFoundError."""
+CHECKPOINT_EVERY = 6
+
+
+def replayed_steps(tmp_path, seed: int, rounds: int):
+    """The steps a site sees in ``rounds`` rounds, as ``(states, step, checkpoint)`` before it
+    saves the state of ``step + 1``: the steps go back (a coordinator resumed from its
+    checkpoint, every ``CHECKPOINT_EVERY`` steps) and the site's process restarts (a new
+    ``HalfStates`` over the same folder); the site kept ``{checkpoint, step - 1, step}``."""
     import random
 
     from dadfl.client.half_states import HalfStates
@@ -180,7 +183,7 @@ def test_site_states_survive_replays_and_restarts_in_any_order(tmp_path, seed):
     rng, cpu = random.Random(seed), torch.device("cpu")
     states = HalfStates(tmp_path, "site-a", "run1", cpu)
     step = checkpoint = 0
-    for _ in range(150):
+    for _ in range(rounds):
         draw = rng.random()
         if draw < 0.05:  # a restarted site process, maybe behind the server
             states = HalfStates(tmp_path, "site-a", "run1", cpu)
@@ -188,11 +191,20 @@ def test_site_states_survive_replays_and_restarts_in_any_order(tmp_path, seed):
         elif draw < 0.12:  # the coordinator resumes from its checkpoint
             step = checkpoint
         states.keep_only({checkpoint, step - 1, step})
-        states.save(step + 1, {"error/w": torch.full((2,), float(step + 1))})
-        if (step + 1) % 6 == 0:
+        yield states, step, checkpoint
+        if (step + 1) % CHECKPOINT_EVERY == 0:
             checkpoint = step + 1
-        states.keep_only({checkpoint, step, step + 1})
         step += 1
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_site_states_survive_replays_and_restarts_in_any_order(tmp_path, seed):
+    """The steps a site sees go back (a coordinator resumed from its checkpoint, an aborted
+    step) and its process restarts; a step dropped twice once left its spare file listed twice,
+    and the second reuse of it stopped the site on FileNotFoundError."""
+    for states, step, checkpoint in replayed_steps(tmp_path, seed, 150):
+        states.save(step + 1, {"error/w": torch.full((2,), float(step + 1))})
+        states.keep_only({checkpoint if (step + 1) % CHECKPOINT_EVERY else step + 1, step, step + 1})
         assert len(set(states.spares)) == len(states.spares) and all(spare.exists() for spare in states.spares)
         for kept in states.steps() - {0}:
             assert torch.equal(states.load(kept)["error/w"], torch.full((2,), float(kept)))
@@ -233,33 +245,18 @@ def test_empty_states_are_renamed_files_and_never_take_a_stateful_states_bytes(t
 def test_empty_states_move_by_one_rename_through_replays_and_restarts(tmp_path, seed):
     """A stateless half's save (``keep``) renames the empty file of a state it drops (the same
     inode under the new step's name); replays and restarts keep every kept step restorable."""
-    import random
-
     from dadfl.client.half_states import HalfStates
 
-    rng, cpu = random.Random(seed), torch.device("cpu")
-    states = HalfStates(tmp_path, "site-a", "run1", cpu)
-    step = checkpoint = 0
     renamed = 0
-    for _ in range(80):
-        draw = rng.random()
-        if draw < 0.05:  # a restarted site process, maybe behind the server
-            states = HalfStates(tmp_path, "site-a", "run1", cpu)
-            step = max(checkpoint, step - rng.randint(0, 3))
-        elif draw < 0.12:  # the coordinator resumes from its checkpoint
-            step = checkpoint
-        states.keep_only({checkpoint, step - 1, step})
+    for states, step, checkpoint in replayed_steps(tmp_path, seed, 80):
         inodes = {kept: (states.folder / f"half-{kept}.pt").stat().st_ino for kept in states.on_disk}
         states.save(step + 1, {}, keep={checkpoint, step})
         assert states.steps() - {0} <= {checkpoint, step, step + 1}
         dropped = {inodes[gone] for gone in set(inodes) - states.on_disk}
         if dropped and step + 1 not in inodes:
             renamed += (states.folder / f"half-{step + 1}.pt").stat().st_ino in dropped
-        if (step + 1) % 6 == 0:
-            checkpoint = step + 1
-        step += 1
         for kept in states.steps() - {0}:
             assert states.load(kept) == {}
         assert len(list(states.folder.iterdir())) <= 5, "three states and two spares at most"
     assert renamed > 40, "most steps take over the dropped state's file"
-    assert HalfStates(tmp_path, "site-a", "run1", cpu).load(step) == {}
+    assert HalfStates(tmp_path, "site-a", "run1", torch.device("cpu")).load(step + 1) == {}
