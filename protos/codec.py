@@ -142,32 +142,22 @@ def encode_payload(
     payload: Payload, codec: int = pb.RAW, chunk_bytes: int = DEFAULT_CHUNK_BYTES, kind: int = pb.PHASE, **fields
 ) -> list[pb.PayloadChunk]:
     """The chunks that carry ``payload``: header in the first, data cut at ``chunk_bytes``."""
-    return list(encode_chunks(payload, codec, chunk_bytes, kind, **fields)[1])
-
-
-def encode_chunks(
-    payload: Payload, codec: int = pb.RAW, chunk_bytes: int = DEFAULT_CHUNK_BYTES, kind: int = pb.PHASE, **fields
-) -> tuple[pb.PayloadHeader, Iterator[pb.PayloadChunk]]:
-    """The header and, made one at a time, the chunks of ``encode_payload``: a sender that
-    serialises each chunk as it comes never holds the message's bytes twice."""
     header, pieces = encode_pieces(payload, codec, chunk_bytes, kind, **fields)
-
-    def chunks() -> Iterator[pb.PayloadChunk]:
-        for piece in pieces:
-            chunk = pb.PayloadChunk()
-            fill_chunk(chunk, header, *piece)
-            yield chunk
-
-    return header, chunks()
+    chunks = []
+    for piece in pieces:
+        chunks.append(pb.PayloadChunk())
+        fill_chunk(chunks[-1], header, *piece)
+    return chunks
 
 
 def encode_pieces(
     payload: Payload, codec: int = pb.RAW, chunk_bytes: int = DEFAULT_CHUNK_BYTES, kind: int = pb.PHASE, **fields
 ) -> tuple[pb.PayloadHeader, Iterator[tuple[int, bytes, bool]]]:
-    """``encode_chunks`` as ``(offset, data, last)`` of each chunk, for a sender that writes them
-    into the chunk field of the message that carries them (``fill_chunk``): a chunk built on its
-    own is copied again, bytes and all, into a message made with it (``SiteMessage(chunk=...)``
-    costs about 2 ms per MiB)."""
+    """The header and, made one at a time, each chunk of ``encode_payload`` as ``(offset, data,
+    last)``: a sender that serialises each chunk as it comes never holds the message's bytes
+    twice, and one that writes it into the chunk field of the message that carries it
+    (``fill_chunk``) copies its bytes once (a chunk built on its own is copied again into a
+    message made with it: ``SiteMessage(chunk=...)`` costs about 2 ms per MiB)."""
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     header, arrays = encode_header(payload, codec, kind, **fields)

@@ -34,6 +34,7 @@ parameter in a step leaves its per-sample gradient to autograd.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import types
 from dataclasses import dataclass
@@ -571,11 +572,10 @@ def forward_losses(
     model.zero_grad(set_to_none=True)
     args = as_args(inputs)
     recorder = FactorCapture(model, layout if capture else Layout((), (), (), ()), args, per_sample)
+    # nothing to record: the forward without a handler on every torch call (the same operations)
+    recording = recorder if capture or per_sample else contextlib.nullcontext()
     with autocast(precision, args[0].device):
-        if capture or per_sample:
-            with recorder:
-                outputs = model(*args)
-        else:  # nothing to record: the forward without a handler on every torch call (the same operations)
+        with recording:
             outputs = model(*args)
         return recorder, sample_losses(loss_fn, outputs, targets)
 
