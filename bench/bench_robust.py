@@ -98,7 +98,9 @@ class Attacker:
         return [*payloads[:ATTACKER], bad]
 
 
-def run(label: str, attack: str, steps: int, seed: int, clip_ratio: float | None, agreement: bool, honest_only: bool = False) -> dict:
+def run(
+    label: str, attack: str, steps: int, seed: int, clip_ratio: float | None, agreement: bool, honest_only: bool = False, standing: bool = True,
+) -> dict:
     name, options = STRATEGIES[label]
     torch.manual_seed(seed)
     workload = load_workload("digits-mlp")
@@ -132,7 +134,8 @@ def run(label: str, attack: str, steps: int, seed: int, clip_ratio: float | None
                 refused_honest += sum(active[i] != ATTACKER or honest_only for i in refused)
                 active = [i for k, i in enumerate(active) if k not in refused]
                 try:
-                    _, sent, _ = screening.message(server, [payloads[i] for i in active], messages)
+                    site_ids = [str(i) for i in active] if standing else None
+                    _, sent, _ = screening.message(server, [payloads[i] for i in active], messages, sites=site_ids)
                 except Exception:
                     server.load_state_dict(start)
                     aborted += 1
@@ -146,6 +149,7 @@ def run(label: str, attack: str, steps: int, seed: int, clip_ratio: float | None
             if messages is None:
                 continue  # as an aborted step: every replica keeps its weights
             weighed = screening.weighed if screening.weighed.get("step") == step else {}
+            screening.commit(step, [str(i) for i in active])
             factors = weighed.get("factors", [1.0] * len(active))
             honest_sites = [k for k, i in enumerate(active) if i != ATTACKER or honest_only]
             attacker_weighed += any(f < 1.0 for k, f in enumerate(factors) if k not in honest_sites)
@@ -178,6 +182,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--attacks", nargs="+", default=list(ATTACKS), choices=list(ATTACKS))
     parser.add_argument("--clip-ratio", type=float, default=DEFAULT_CLIP_RATIO)
     parser.add_argument("--no-agreement", action="store_true")
+    parser.add_argument("--per-step", action="store_true", help="agreement from each step alone, without the sites' standing")
     parser.add_argument("--off", action="store_true", help="no robust rule: only the refusals (the table before)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -186,9 +191,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for label in args.strategies:
         for seed in args.seeds:
-            clean = run(label, "clean", args.steps, seed, clip, agreement, honest_only=True)
+            clean = run(label, "clean", args.steps, seed, clip, agreement, honest_only=True, standing=not args.per_step)
             for attack in args.attacks:
-                row = run(label, attack, args.steps, seed, clip, agreement)
+                row = run(label, attack, args.steps, seed, clip, agreement, standing=not args.per_step)
                 row["clean_accuracy"] = clean["accuracy"]
                 rows.append(row)
                 print(

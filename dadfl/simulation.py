@@ -9,6 +9,7 @@ runs in every mode. After every step all replicas must hold bit-identical weight
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -196,6 +197,7 @@ def _simulate(config: SimulationConfig, spec: StrategySpec, metrics: MetricsWrit
     server = strategy.server(coordinator.layout, coordinator.model)
     # The coordinator's robust weights, as a networked run applies them (off under [dp], as there).
     screening = Screening(coordinator, math.inf, None, clip_ratio=config.clip_ratio, agreement=config.agreement)
+    names = [f"site-{s}" for s in range(len(sites))]
     has_test = workload.test is not None and len(workload.test) > 0
 
     def introspects(step: int) -> bool:  # not under DP: its records would carry more than ε accounts for
@@ -209,7 +211,7 @@ def _simulate(config: SimulationConfig, spec: StrategySpec, metrics: MetricsWrit
         start = time.perf_counter()
         if budget is None:
             locals_ = [site.work(batch.at, step) for site, batch in zip(sites, batches)]
-            messages, traffic = exchange([site.half for site in sites], server, locals_, step, screening.weigh)
+            messages, traffic = exchange([site.half for site in sites], server, locals_, step, functools.partial(screening.weigh, sites=names))
             bytes_up, bytes_down = traffic.up_total, traffic.down_per_site * len(sites)
         else:
             drawn = [batch.at(step) for batch in batches]
@@ -236,7 +238,7 @@ def _simulate(config: SimulationConfig, spec: StrategySpec, metrics: MetricsWrit
             fingerprint=fingerprints.pop(),
             diagnostics={
                 **(strategy.describe(coordinator.layout, messages) if budget is None else {}),
-                **screening.weights_record(step, [f"site-{s}" for s in range(len(sites))]),
+                **screening.commit(step, names),
                 **(gradient_ranks(coordinator.layout, [local.factors for local in locals_]) if introspects(step) else {}),
             },
         )

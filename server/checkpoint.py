@@ -1,7 +1,7 @@
 """``dadfl.server.checkpoint`` — atomic checkpoints of the coordinator's replica, and resuming from them.
 
 A checkpoint holds the model and optimizer state, the server strategy half's state at
-the start of the next step, the next step to run, the run id, and the identity of the run (workload, strategy, optimizer) so a restart with a
+the start of the next step, the next step to run, the run id, the robust rule's standing of each site, and the identity of the run (workload, strategy, optimizer) so a restart with a
 different config is refused instead of silently mixing runs. Files are written to a
 temporary name, flushed to disk and renamed (``os.replace``), so a crash leaves either
 the old or the new checkpoint, never a torn one.
@@ -18,6 +18,7 @@ writes a tensor's storage from its memory), for anyone's ``torch.load``.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,7 @@ class Resumed:
     next_step: int
     run_id: str
     strategy_state: dict[str, torch.Tensor] | None  # None: a checkpoint written before states were kept
+    standing: dict[str, float]  # the robust rule's standing by site id (``Screening.standing``)
 
 
 def atomic_write(path: Path, write) -> None:
@@ -55,11 +57,12 @@ def atomic_write(path: Path, write) -> None:
 
 
 def save_checkpoint(
-    run_dir: Path, replica: Replica, next_step: int, run_id: str, identity: dict, strategy_state: dict[str, torch.Tensor]
+    run_dir: Path, replica: Replica, next_step: int, run_id: str, identity: dict, strategy_state: dict[str, torch.Tensor],
+    standing: dict[str, float],
 ) -> None:
     state = state_payload(replica, next_step)
     state.tensors.update({STRATEGY_PREFIX + key: tensor.detach() for key, tensor in strategy_state.items()})
-    meta = json.dumps({"next_step": next_step, "run_id": run_id, "identity": identity}).encode()
+    meta = json.dumps({"next_step": next_step, "run_id": run_id, "identity": identity, "standing": standing}).encode()
     atomic_write(run_dir / CHECKPOINT, lambda file: write_state(file, state, meta, MAGIC))
 
 
@@ -92,7 +95,14 @@ def resume(run_dir: Path, replica: Replica, identity: dict) -> Resumed | None:
             f"{path} holds non-finite weights, so the run cannot resume from it (no site is at fault); "
             "use a new run_dir, or restore a checkpoint written before the model went non-finite"
         )
-    return Resumed(saved["next_step"], saved["run_id"], strategy_state)
+    return Resumed(saved["next_step"], saved["run_id"], strategy_state, checked_standing(saved.get("standing", {}), path))
+
+
+def checked_standing(saved: object, path: Path) -> dict[str, float]:
+    """The robust rule's standing as a checkpoint holds it: site ids to finite numbers."""
+    if not (isinstance(saved, dict) and all(isinstance(k, str) and isinstance(v, (int, float)) and math.isfinite(v) for k, v in saved.items())):
+        raise ValueError(f"{path} holds a malformed robust standing; use a new run_dir, or restore a good copy of it")
+    return {k: float(v) for k, v in saved.items()}
 
 
 def trim_metrics(path: Path, next_step: int) -> None:

@@ -108,11 +108,12 @@ class Coordinator(Admission, SiteStreams, PhaseUploads, StepLoop, cpb_grpc.Coord
         if resumed and self.privacy is not None:
             strategy_state, privacy_state = split_state(resumed.strategy_state or {})
             self.privacy.load_state_dict(privacy_state)
-            resumed = checkpoint.Resumed(resumed.next_step, resumed.run_id, strategy_state if resumed.strategy_state is not None else None)
+            resumed = checkpoint.Resumed(resumed.next_step, resumed.run_id, strategy_state if resumed.strategy_state is not None else None, resumed.standing)
         self.step = resumed.next_step if resumed else 0
         self.checkpoint_step = self.step  # the step a restart would replay from
         self.run_id = resumed.run_id if resumed else uuid.uuid4().hex[:12]
         if resumed:
+            self.screening.standing = resumed.standing
             log.info("resuming run %s at step %d from %s", self.run_id, self.step, self.run_dir / checkpoint.CHECKPOINT)
         checkpoint.trim_metrics(self.run_dir / "metrics.jsonl", self.step)
         self.fingerprint = weights_fingerprint(self.replica.model)

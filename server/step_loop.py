@@ -450,7 +450,7 @@ class StepLoop:
             attempt=attempt,
             fingerprint_mismatches=mismatched,
             diagnostics={
-                **self.screening.weights_record(step, [link.site_id for link in result.participants]),
+                **self.screening.commit(step, [link.site_id for link in result.participants]),
                 **(self.strategy.describe(self.layout, result.messages) if not self.privacy else {}),
             },
         )
@@ -474,7 +474,7 @@ class StepLoop:
         """Checkpoint the committed steps: the replica, the server half at the next step's start."""
         checkpoint.save_checkpoint(
             self.run_dir, self.replica, self.step, self.run_id, self.identity,
-            {**self.half_at_step_start, **(self.privacy.state_dict() if self.privacy else {})},
+            {**self.half_at_step_start, **(self.privacy.state_dict() if self.privacy else {})}, self.screening.standing,
         )
         self.checkpoint_step = self.step
 

@@ -142,7 +142,8 @@ class PhaseUploads:
             nbytes = sum(p.nbytes() for p in payloads)
             start = self.server_half.state_dict()
             try:
-                return (uploads, *await self._off_loop(nbytes, self.screening.message, self.server_half, payloads, messages))
+                sites = [link.site_id for link, _ in uploads]
+                return (uploads, *await self._off_loop(nbytes, self.screening.message, self.server_half, payloads, messages, True, sites))
             except Exception as exc:
                 self.server_half.load_state_dict(start)  # as at the phase's start, for the recomputation
                 failure = f"{type(exc).__name__}: {exc}"

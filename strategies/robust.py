@@ -34,6 +34,25 @@ samples of the sites of nonzero weight.
    step. With 2 sites there is no majority: the rule is off.
    A site of weight 0 leaves the step's aggregate (``Screening.weigh``): the others' mean
    is not diluted by it.
+3. **Standing** (when the runtime names the sites): one step's push-back is a noisy measure,
+   since honest minibatch gradients disagree now and then and a flipped site's genuine
+   gradient is now and then orthogonal to the others'. Each site keeps a standing h_i, the
+   exponential average of its push-back against the sites kept (units of m_i, 0 for a site
+   not seen before), and the rule above compares the score
+
+       λ · h_i + (1 − λ) · p_i ≥ β,      p_i = −⟨a_i g_i, u_i⟩ / m_i this step,  λ = ``standing_weight``,
+
+   then, once the step is committed, h_i ← λ · h_i + (1 − λ) · p_i
+   (:func:`updated_standing`). An honest site, which pulls forward on average (h_i < 0), is
+   zeroed only for a push-back far past β; a site that pushed back in recent steps is zeroed
+   even in a step where it happens not to. A site that wants to push back must keep its
+   average push-back below β, as before; what it can no longer do is add a gradient's worth
+   of noise (c · m_i, orthogonal to the others) in the steps where it does not. This is the
+   lesson of Karimireddy, He and Jaggi (ICML 2021, "Learning from history for Byzantine
+   robust optimization"): a rule that looks at one step at a time cannot tell an attacker
+   from noise; one that averages over steps can. The standing is the coordinator's state
+   (its checkpoint keeps it: a resumed run is bit-identical); a site keeps it across
+   disconnects, so leaving and rejoining does not reset it.
 
 s_i = a_i · w_i. A clean step (every site within c× the others' median, none pushing back
 past the margin) gives every site 1: the coordinator then aggregates the uploads untouched.
@@ -42,7 +61,8 @@ Not under differential privacy: the factors depend on every site's data, so one 
 could move a whole site's weight, a sensitivity the noise is not calibrated for (the
 coordinator turns the rule off with ``[dp]``; per-sample clipping bounds each site there).
 
-Tuning: ``clip_ratio`` (c) trades how much one site can move the model (c honest
+Tuning: ``standing_weight`` (λ) is how long a site's past counts (about 1 / (1 − λ) steps);
+0 is the per-step rule. ``clip_ratio`` (c) trades how much one site can move the model (c honest
 contributions) against how often honest sites are clipped; ``agreement_margin`` (β, the
 argument of :func:`robust_weights`; the runtimes use the default, not yet a configuration
 option) how far a site may push back each step against how often an honest site with a noisy
@@ -55,6 +75,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -65,6 +86,7 @@ DEFAULT_AGREEMENT_MARGIN = 0.25  # β, measured: docs/robustness.md
 # c in a phase that only chooses a basis (``Strategy.chooses_basis``): no site outweighs a median
 # one in the directions; the step's size does not depend on it. Measured: docs/robustness.md
 BASIS_CLIP_RATIO = 1.0
+DEFAULT_STANDING_WEIGHT = 0.5  # the weight of a site's past steps in its score, measured: docs/robustness.md
 
 
 def check_clip_ratio(value: float) -> float:
@@ -82,6 +104,8 @@ class Weights:
     factors: list[float]
     clipped: list[int]  # sites whose a_i < 1
     disagreeing: list[int]  # sites pushing back past the margin (weight 0)
+    # each site's push-back against the sites kept (units of m_i), None where agreement was not weighed
+    push_backs: list[float] | None = None
 
     @property
     def untouched(self) -> bool:
@@ -93,8 +117,12 @@ def robust_weights(
     clip_ratio: float | None = DEFAULT_CLIP_RATIO,
     agreement: bool = True,
     agreement_margin: float = DEFAULT_AGREEMENT_MARGIN,
+    standing: Sequence[float] | None = None,
+    standing_weight: float = DEFAULT_STANDING_WEIGHT,
 ) -> Weights:
-    """The rule above on the Gram matrix ``G``; ``clip_ratio`` None or 0: no clipping."""
+    """The rule above on the Gram matrix ``G``; ``clip_ratio`` None or 0: no clipping.
+    ``standing``: each site's standing before this step (0 for a site not seen before), None:
+    the step alone decides (as ``standing_weight`` = 0)."""
     S = G.shape[0]
     if not bool(torch.isfinite(G).all()):
         raise ValueError("the sites' Gram matrix is not finite")
@@ -108,18 +136,30 @@ def robust_weights(
             if norms[i] > clip_ratio * reference:
                 clip[i] = clip_ratio * reference / norms[i]
     disagreeing: list[int] = []
+    push_backs: list[float] | None = None
     if agreement:
+        past = list(standing) if standing is not None else [0.0] * S
+        weight = standing_weight if standing is not None else 0.0
         clipped = [[clip[i] * clip[j] * inner[i][j] for j in range(S)] for i in range(S)]
         remaining = [i for i in range(S) if norms[i]]  # a site that adds nothing pushes nowhere
         while len(remaining) >= 3:
             push = _push_backs(clipped, remaining)
-            worst = max(remaining, key=lambda i: (push[i], -i))
-            if push[worst] < agreement_margin:
+            worst = max(remaining, key=lambda i: (weight * past[i] + (1 - weight) * push[i], -i))
+            if weight * past[worst] + (1 - weight) * push[worst] < agreement_margin:
                 break
             disagreeing.append(worst)
             remaining.remove(worst)
+        if len(remaining) >= 2:  # every site measured against the sites kept
+            kept = _push_backs(clipped, remaining)
+            left_out = {i: _push_backs(clipped, sorted([*remaining, i]))[i] for i in disagreeing}
+            push_backs = [kept.get(i, left_out.get(i, 0.0)) for i in range(S)]
     factors = [0.0 if i in disagreeing else clip[i] for i in range(S)]
-    return Weights(factors, [i for i in range(S) if clip[i] < 1.0], disagreeing)
+    return Weights(factors, [i for i in range(S) if clip[i] < 1.0], disagreeing, push_backs)
+
+
+def updated_standing(before: float, push_back: float, standing_weight: float = DEFAULT_STANDING_WEIGHT) -> float:
+    """A site's standing after a step where it pushed back by ``push_back`` (units of m_i)."""
+    return standing_weight * before + (1 - standing_weight) * push_back
 
 
 def _push_backs(G: list[list[float]], sites: list[int]) -> dict[int, float]:

@@ -146,7 +146,7 @@ class FlowerCoordinator:
                 site_ids=site_ids,
                 attempt=attempt - 1,
                 fingerprint_mismatches=mismatched,
-                diagnostics={**self.screening.weights_record(step, site_ids), **self.strategy.describe(self.replica.layout, result.messages)},
+                diagnostics={**self.screening.commit(step, site_ids), **self.strategy.describe(self.replica.layout, result.messages)},
             )
             if is_eval_step(step, self.config.eval_every, self.config.steps):
                 record.evaluation.update({f"test_{k}": v for k, v in self.replica.evaluate().items()})
@@ -220,7 +220,7 @@ class FlowerCoordinator:
         naming the nodes whose uploads break it."""
         phase, start = payloads[0].phase, self.server_half.state_dict()
         try:
-            return self.screening.message(self.server_half, payloads, messages)
+            return self.screening.message(self.server_half, payloads, messages, sites=[str(node) for node in self.nodes])
         except Exception as exc:
             failure = f"{type(exc).__name__}: {exc}"
         breaking = self.screening.breaking(start, payloads, messages)

@@ -17,7 +17,7 @@ those bytes count towards the done's step, the rest of that message towards the 
 step); ``wire_messages_up_by_site`` counts that message once, in the next step.
 
 ``diagnostics`` are spread in place, keys as their producers name them: the robust
-weights (``robust_*``, ``screening.weights_record``), the strategy's ``describe`` and the
+weights (``robust_*``, ``screening.commit``), the strategy's ``describe`` and the
 effective ranks (``strategies/introspect.py``): ``rank90/<layer>/<part>`` and
 ``rank99/…``, the number of leading components holding 90% / 99% of the energy (Σσ²) of
 a layer's gradient, ``<part>`` ``site<s>`` (site s's gradient Δ_sᵀA_s), ``sum`` (their

@@ -54,7 +54,7 @@ from dadfl.sanitize import printable
 from dadfl.strategies import Payload
 from dadfl.strategies.checks import ModelFacts, all_finite, check_update, finite_flags, influence_outliers
 from dadfl.strategies.gram import UnpairedForms, gram, sq_norm, sq_norms
-from dadfl.strategies.robust import BASIS_CLIP_RATIO, DEFAULT_CLIP_RATIO, robust_weights
+from dadfl.strategies.robust import BASIS_CLIP_RATIO, DEFAULT_CLIP_RATIO, robust_weights, updated_standing
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,16 @@ def model_fault_reason(step: int, phase: int, reasons: Sequence[str], uploads: i
     )
 
 
+def _positions(earlier: dict, names: list[str] | None, count: int) -> dict[int, int]:
+    """Where each upload of a step's earlier phase (by index) is among this phase's ``count``
+    uploads: by site id where both phases name them, else by position when no site left between
+    them (the same count); otherwise unknown, and the earlier phase binds nothing."""
+    if names is not None and earlier.get("sites") is not None:
+        index = {name: j for j, name in enumerate(names)}
+        return {i: index[name] for i, name in enumerate(earlier["sites"]) if name in index}
+    return {i: i for i in range(count)} if len(earlier["factors"]) == count else {}
+
+
 @dataclass
 class Screening:
     """The checks of one coordinator replica's strategy, with its federation's influence bounds."""
@@ -129,6 +139,9 @@ class Screening:
     # ``refusals`` measures them, ``weigh`` and the trials of ``breaking`` reuse them (edAD
     # recomputes its hidden deltas for them).
     measured: dict = field(init=False, default_factory=dict)
+    # Each site's standing (``robust.py``), by site id, as of the last committed step: what a
+    # checkpoint keeps. Sites are enrolled identities, so it holds one float per enrolled site.
+    standing: dict[str, float] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.facts = ModelFacts.from_model(self.replica.model, self.replica.layout)
@@ -202,9 +215,13 @@ class Screening:
             refused[good[j]] = f"contribution out of bounds: {reason}"
         return refused
 
-    def weigh(self, payloads: Sequence[Payload], messages: Sequence[Payload], remember: bool = True) -> list[Payload]:
+    def weigh(
+        self, payloads: Sequence[Payload], messages: Sequence[Payload], remember: bool = True, sites: Sequence[str] | None = None
+    ) -> list[Payload]:
         """The uploads scaled by the robust rule's factors (module text, step 2); ``remember``:
-        keep the factors for the step's later phases and the metrics (not for trial runs)."""
+        keep the factors for the step's later phases and the metrics (not for trial runs).
+        ``sites``: the uploads' site ids, whose standing the rule reads (None: this step alone
+        decides); their new standing takes effect when the runtime commits the step (``commit``)."""
         if len(payloads) < 2 or (not self.clip_ratio and not self.agreement):
             return list(payloads)
         strategy, layout = self.strategy, self.replica.layout
@@ -222,22 +239,30 @@ class Screening:
             G = torch.diag(torch.tensor(self._sq_norms(payloads, terms), dtype=torch.float64))
         basis = strategy.chooses_basis(step, phase)
         clip_ratio = min(self.clip_ratio, BASIS_CLIP_RATIO) if basis and self.clip_ratio else self.clip_ratio
-        weights = robust_weights(G, clip_ratio, agreement)
-        factors = weights.factors
         earlier = self.weighed if phase > 0 and self.weighed.get("step") == step else None
-        if earlier is not None and len(earlier["factors"]) == len(factors):
-            factors = [min(a, b) for a, b in zip(factors, earlier["factors"])]
+        standing = earlier.get("standing", self.standing) if earlier else self.standing
+        before = [standing.get(site, 0.0) for site in sites] if sites is not None and agreement else None
+        weights = robust_weights(G, clip_ratio, agreement, standing=before)
+        names = list(sites) if sites is not None else None
+        here = _positions(earlier, names, len(payloads)) if earlier else {}  # earlier index -> this phase's
+        factors = list(weights.factors)
+        for i, j in here.items():  # a site refused between the phases is gone; the others keep their bound
+            factors[j] = min(factors[j], earlier["factors"][i])
         if remember:
-            clipped, disagreeing = set(weights.clipped), set(weights.disagreeing)
-            basis_clipped = set(earlier.get("basis_clipped", ())) if earlier else set()
-            if earlier:
-                clipped, disagreeing = clipped | set(earlier["clipped"]), disagreeing | set(earlier["disagreeing"])
+            mapped = lambda key: {here[i] for i in earlier.get(key, ()) if i in here} if earlier else set()  # noqa: E731
+            clipped, disagreeing = set(weights.clipped) | mapped("clipped"), set(weights.disagreeing) | mapped("disagreeing")
+            basis_clipped = mapped("basis_clipped")
             if basis:  # its factors bind no later phase; the sites it clipped are recorded apart
                 basis_clipped, clipped = basis_clipped | clipped, set()
             self.weighed = {
-                "step": step, "factors": [1.0] * len(factors) if basis else factors, "clipped": sorted(clipped),
+                "step": step, "sites": names, "factors": [1.0] * len(factors) if basis else factors, "clipped": sorted(clipped),
                 "disagreeing": sorted(disagreeing), "basis_clipped": sorted(basis_clipped),
             }
+            if before is not None and weights.push_backs is not None:
+                standing = dict(standing)
+                standing.update({site: updated_standing(b, push) for site, b, push in zip(sites, before, weights.push_backs)})
+            if standing is not self.standing:
+                self.weighed["standing"] = standing
         # A site of weight 0 leaves the phase's aggregate and its sample count, as if it had not
         # sent: the others' mean is not diluted by it.
         kept = [(payload, factor) for payload, factor in zip(payloads, factors) if factor > 0.0]
@@ -256,23 +281,30 @@ class Screening:
             return known[1]
         return self.strategy.terms(self.replica.layout, payload, messages, self.replica.model)[0]
 
-    def weights_record(self, step: int, names: Sequence[str]) -> dict:
-        """What the metrics keep of ``step``'s factors, by site name (uploads' order): the
-        factor of every site below 1, the sites clipped and those zeroed for disagreeing."""
-        weighed = self.weighed if self.weighed.get("step") == step and len(self.weighed["factors"]) == len(names) else None
-        if weighed is None:
+    def commit(self, step: int, names: Sequence[str]) -> dict:
+        """``step`` is committed: the sites' standing it measured takes effect. Returns what the
+        metrics keep of its factors, by site name (uploads' order): the factor of every site
+        below 1, the sites clipped and those zeroed for disagreeing, and the standing of the
+        step's sites."""
+        weighed = self.weighed if self.weighed.get("step") == step else {}
+        self.standing = weighed.get("standing", self.standing)
+        if len(weighed.get("factors", ())) != len(names):
             return {}
         return {
             "robust_factors": {name: f for name, f in zip(names, weighed["factors"]) if f != 1.0},
             "robust_clipped": [names[i] for i in weighed["clipped"]],
             "robust_disagreeing": [names[i] for i in weighed["disagreeing"]],
             "robust_basis_clipped": [names[i] for i in weighed.get("basis_clipped", ())],
+            **({"robust_standing": {name: round(self.standing[name], 4) for name in names if name in self.standing}} if "standing" in weighed else {}),
         }
 
-    def message(self, half: Any, payloads: Sequence[Payload], messages: Sequence[Payload], remember: bool = True) -> tuple[Payload, Payload, Decoded]:
-        """Weigh, aggregate, and decode what sites will decode: (message, as sites receive it,
-        update after this phase, decoded again when read). Raises when the message would fail at a site."""
-        message = half.aggregate(self.weigh(payloads, messages, remember))
+    def message(
+        self, half: Any, payloads: Sequence[Payload], messages: Sequence[Payload], remember: bool = True, sites: Sequence[str] | None = None
+    ) -> tuple[Payload, Payload, Decoded]:
+        """Weigh (``sites``: as :meth:`weigh`), aggregate, and decode what sites will decode: (message,
+        as sites receive it, update after this phase, decoded again when read). Raises when the
+        message would fail at a site."""
+        message = half.aggregate(self.weigh(payloads, messages, remember, sites))
         sent = roundtrip(message, self.codec)
         for key, tensor in sent.tensors.items():
             if not all_finite(tensor):

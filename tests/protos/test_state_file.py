@@ -36,7 +36,7 @@ def state_bits(replica: Replica) -> dict[str, bytes]:
 def test_a_checkpoint_round_trips_bit_identically_into_the_replicas_own_tensors(tmp_path):
     source, target = trained(1), trained(2)
     strategy_state = {"error/0": torch.randn(3, 5, dtype=torch.float64)}
-    checkpoint.save_checkpoint(tmp_path, source, 7, "run7", {"workload": "w"}, strategy_state)
+    checkpoint.save_checkpoint(tmp_path, source, 7, "run7", {"workload": "w"}, strategy_state, {})
     params_before = [p.data_ptr() for p in target.model.parameters()]
     moments_before = [s["exp_avg"].data_ptr() for s in target.optimizer.state.values()]
     resumed = checkpoint.resume(tmp_path, target, {"workload": "w"})
@@ -75,7 +75,7 @@ def test_the_writer_hands_the_file_no_piece_bigger_than_a_chunk():
 
 def test_a_torn_or_altered_checkpoint_is_refused_before_anything_is_overwritten(tmp_path):
     source, target = trained(1), trained(2)
-    checkpoint.save_checkpoint(tmp_path, source, 7, "run7", {"workload": "w"}, {})
+    checkpoint.save_checkpoint(tmp_path, source, 7, "run7", {"workload": "w"}, {}, {})
     path = tmp_path / checkpoint.CHECKPOINT
     data = bytearray(path.read_bytes())
     before = state_bits(target)

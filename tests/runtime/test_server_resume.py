@@ -16,11 +16,26 @@ from tests.helpers.network import server_config
 def test_resume_refuses_a_checkpoint_of_a_different_run(tmp_path):
     config = server_config(tmp_path)
     coordinator = Coordinator(config)
-    checkpoint.save_checkpoint(config.run_dir, coordinator.replica, 3, "abc", coordinator.identity, {})
+    checkpoint.save_checkpoint(config.run_dir, coordinator.replica, 3, "abc", coordinator.identity, {}, {})
     assert Coordinator(config).step == 3
     other = server_config(tmp_path, strategy={"name": "dad"})
     with pytest.raises(ValueError, match="different strategy"):
         Coordinator(other)
+
+
+def test_the_robust_standing_resumes_to_the_bit_and_a_malformed_one_is_refused(tmp_path):
+    """The robust rule's standing of each site (``Screening.standing``) is coordinator state: a
+    restarted coordinator reads it back exactly, and refuses a checkpoint whose standing is not
+    site ids to finite numbers."""
+    config = server_config(tmp_path)
+    coordinator = Coordinator(config)
+    standing = {"site-a": 0.1 + 0.2, "site-b": -1 / 3, "site-c": 5e-324}
+    checkpoint.save_checkpoint(config.run_dir, coordinator.replica, 3, "abc", coordinator.identity, {}, standing)
+    assert Coordinator(config).screening.standing == standing
+    for malformed in ({"site-a": float("nan")}, {"site-a": "0.5"}, [0.5]):
+        checkpoint.save_checkpoint(config.run_dir, coordinator.replica, 3, "abc", coordinator.identity, {}, malformed)
+        with pytest.raises(ValueError, match="malformed robust standing"):
+            Coordinator(config)
 
 
 def test_a_record_cut_short_by_a_kill_is_not_read_and_the_resume_trims_it(tmp_path):

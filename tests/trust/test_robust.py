@@ -10,7 +10,7 @@ from dadfl.strategies import make_strategy
 from dadfl.strategies.base import split_key
 from dadfl.strategies.gram import Dense, LowRank, UnpairedForms, gram, inner
 from dadfl.strategies.quantize import unpack
-from dadfl.strategies.robust import DEFAULT_AGREEMENT_MARGIN, robust_weights
+from dadfl.strategies.robust import DEFAULT_AGREEMENT_MARGIN, robust_weights, updated_standing
 from tests.strategies.test_strategy_checks import WORKLOADS, federation
 
 EXACT = {  # strategies exact at these options: their decoded update is the autograd gradient
@@ -247,23 +247,83 @@ def test_a_site_pushing_back_past_the_margin_is_zeroed_and_one_within_it_is_not(
     assert robust_weights(gram_of([*base, [-0.2, 0.98]]), agreement_margin=0.1).disagreeing == [3]  # the margin is β
 
 
+def test_standing_zeroes_a_site_that_pushed_back_before_and_spares_one_that_pulled_forward():
+    base = [[1.0, 0.0], [1.0, 0.0], [1.0, 0.0]]  # the others' sum along e_0, their norms 1
+    orthogonal = gram_of([*base, [0.0, 1.0]])  # pushes nowhere this step
+    assert robust_weights(orthogonal, standing=[0.0] * 4).disagreeing == []
+    # a site that pushed back by 0.6 m on average: 0.5 · 0.6 + 0.5 · 0 ≥ β
+    assert robust_weights(orthogonal, standing=[0.0, 0.0, 0.0, 0.6]).disagreeing == [3]
+    spike = gram_of([*base, [-0.4, (1 - 0.16) ** 0.5]])  # pushes back by 0.4 m this step: past β alone
+    assert robust_weights(spike).disagreeing == [3]
+    # a site that pulled forward (−0.3 m) before: 0.5 · (−0.3) + 0.5 · 0.4 < β
+    assert robust_weights(spike, standing=[-0.3, -0.3, -0.3, -0.3]).disagreeing == []
+    assert robust_weights(spike, standing=[-0.3] * 4, standing_weight=0.0).disagreeing == [3]  # λ = 0: the step alone
+
+
+def test_push_backs_are_measured_against_the_sites_kept_and_the_standing_follows_them():
+    honest = NOISY_HONEST[:3]
+    mean = [sum(column) / 3 for column in zip(*honest)]
+    G = gram_of([*honest, [-50.0 * x for x in mean]])
+    weights = robust_weights(G, clip_ratio=None, standing=[0.1, -0.2, 0.0, 0.3])
+    assert weights.disagreeing == [3]
+    for i in range(3):  # the kept sites against each other
+        assert weights.push_backs[i] == pytest.approx(push_back(G, i, [0, 1, 2]), rel=1e-12)
+    assert weights.push_backs[3] == pytest.approx(push_back(G, 3, [0, 1, 2, 3]), rel=1e-12)  # the zeroed one against all kept
+    assert updated_standing(0.3, weights.push_backs[3]) == 0.5 * 0.3 + 0.5 * weights.push_backs[3]
+    assert robust_weights(G, agreement=False).push_backs is None
+
+
+def four_uploads(strategy):
+    """A digits-mlp coordinator and four sites' uploads of step 0 on its weights (large batches:
+    aligned gradients), the fourth sign-flipped at 20×, clipped to 2× the others' median."""
+    from dadfl.replica import OptimizerConfig, Replica
+    from dadfl.workloads import load_workload, partition, site_batches
+
+    torch.manual_seed(0)
+    workload = load_workload("digits-mlp")
+    train = workload.training_data()
+    indices = partition(4, len(train), "iid", labels=workload.labels, seed=0)
+    coordinator = Replica(workload, strategy, OptimizerConfig(name="sgd", lr=0.1), "cpu")
+    payloads = [
+        strategy.site(coordinator.layout, coordinator.model).begin(coordinator.work(site_batches(train, index, 128, seed=s).at, 0), 0)
+        for s, index in enumerate(indices)
+    ]
+    flipped = type(payloads[3])(0, 0, payloads[3].num_samples, {
+        k: -20 * t if split_key(k)[1] in strategy.SCALED_ROLES and t.is_floating_point() else t for k, t in payloads[3].tensors.items()
+    })
+    return coordinator, payloads, flipped
+
+
+def test_the_screening_commits_a_steps_standing_once_and_a_retried_attempt_starts_from_the_committed_one():
+    """Through the coordinator's screening and a real strategy's uploads: the standing measured in
+    a step takes effect at ``commit``; an attempt retried before the commit reads the committed
+    standing again, so it is not counted twice."""
+    from dadfl.trust.screening import Screening
+
+    strategy = make_strategy("dsgd")
+    coordinator, payloads, flipped = four_uploads(strategy)
+    uploads, names = [*payloads[:3], flipped], ["a", "b", "c", "d"]
+    screening = Screening(coordinator, 100.0, None)
+    for _attempt in range(2):
+        screening.refusals(0, 0, uploads, [])
+        screening.message(strategy.server(coordinator.layout, coordinator.model), uploads, [], sites=names)
+        assert screening.standing == {}  # not before the commit
+    record = screening.commit(0, names)
+    assert set(screening.standing) == set(names) and screening.standing["d"] > max(0.0, *(screening.standing[n] for n in "abc"))
+    assert record["robust_disagreeing"] == ["d"] and record["robust_standing"] == {n: round(screening.standing[n], 4) for n in names}
+    once = dict(screening.standing)
+    screening.commit(0, names)  # committing again changes nothing
+    assert screening.standing == once
+
+
 def test_untouched_weights_aggregate_the_uploads_bit_identically_and_a_zeroed_site_leaves_the_mean():
     """Through the coordinator's screening, a real strategy's uploads: all factors 1 gives the
     message plain aggregation gives, to the bit; a fourth site sign-flipped at the clip bound gets
     weight 0, and the message is the three honest sites', to the bit."""
-    from dadfl.replica import OptimizerConfig, Replica
     from dadfl.trust.screening import Screening
-    from dadfl.workloads import load_workload, partition, site_batches
 
-    torch.manual_seed(0)
-    workload, strategy = load_workload("digits-mlp"), make_strategy("dad")
-    train = workload.training_data()
-    indices = partition(4, len(train), "iid", labels=workload.labels, seed=0)
-    coordinator = Replica(workload, strategy, OptimizerConfig(name="sgd", lr=0.1), "cpu")
-    payloads = [  # four sites on the coordinator's weights; large batches: aligned gradients
-        strategy.site(coordinator.layout, coordinator.model).begin(coordinator.work(site_batches(train, index, 128, seed=s).at, 0), 0)
-        for s, index in enumerate(indices)
-    ]
+    strategy = make_strategy("dad")
+    coordinator, payloads, flipped = four_uploads(strategy)
     screening = Screening(coordinator, 100.0, None)
 
     def message(uploads):
@@ -278,9 +338,6 @@ def test_untouched_weights_aggregate_the_uploads_bit_identically_and_a_zeroed_si
         )
 
     assert same(message(payloads), plain(payloads)) and screening.weighed["factors"] == [1.0] * 4
-    flipped = type(payloads[3])(0, 0, payloads[3].num_samples, {  # ×−20: clipped to 2× the others' median
-        k: -20 * t if split_key(k)[1] in strategy.SCALED_ROLES and t.is_floating_point() else t for k, t in payloads[3].tensors.items()
-    })
     assert same(message([*payloads[:3], flipped]), plain(payloads[:3])) and screening.weighed["disagreeing"] == [3]
 
 
@@ -339,3 +396,43 @@ def test_powersgd_a_site_flipped_at_the_clip_bound_gets_weight_zero_on_q_and_its
             assert all(torch.equal(message.tensors[k], honest.tensors[k]) for k in honest.tensors)
         else:
             assert factors[:3] == [1.0, 1.0, 1.0] and 0.0 < factors[3] < 1.0 and screening.weighed["disagreeing"] == []
+
+
+@pytest.mark.parametrize("memory", ["site", "global"])
+def test_a_site_refused_between_phases_leaves_and_the_others_keep_their_earlier_bound_by_site(memory):
+    """PowerSGD's two phases through the screening, the runtime naming the sites: site ``a`` is
+    refused after phase 0, so phase 1 has three uploads. What phase 0 decided follows each site
+    by its id, not by its position: ``d``, sent at 20×, stays bound by its phase-0 clip (hook's
+    memory: the factor carries over) or recorded as basis-clipped (site memory), and the step's
+    record names only the sites of the step's last phase."""
+    from dadfl.replica import OptimizerConfig, Replica
+    from dadfl.trust.screening import Screening
+    from dadfl.workloads import load_workload, partition, site_batches
+
+    torch.manual_seed(0)
+    workload = load_workload("digits-mlp")
+    strategy = make_strategy("powersgd", rank=2, start_iter=0, memory=memory)
+    train = workload.training_data()
+    indices = partition(4, len(train), "iid", labels=workload.labels, seed=0)
+    coordinator = Replica(workload, strategy, OptimizerConfig(name="sgd", lr=0.1), "cpu")
+    layout, model = coordinator.layout, coordinator.model
+    sites = [strategy.site(layout, model) for _ in indices]
+    batches = [site_batches(train, index, 32, seed=s) for s, index in enumerate(indices)]
+    screening = Screening(coordinator, 100.0, None, agreement=False)
+
+    def scaled(payload):
+        return type(payload)(payload.step, payload.phase, payload.num_samples, {
+            k: 20 * t if split_key(k)[1] in strategy.SCALED_ROLES and t.is_floating_point() else t for k, t in payload.tensors.items()
+        })
+
+    payloads = [site.begin(coordinator.work(batch.at, 0), 0) for site, batch in zip(sites, batches)]
+    server = strategy.server(layout, model)
+    _, first, _ = screening.message(server, [*payloads[:3], scaled(payloads[3])], [], sites=["a", "b", "c", "d"])
+    bound = screening.weighed["factors"][3]
+    replies = [site.receive(first) for site in sites[1:]]  # a is refused: b, c, d go on
+    screening.message(server, [*replies[:2], scaled(replies[2])], [first], sites=["b", "c", "d"])
+    record = screening.commit(0, ["b", "c", "d"])
+    if memory == "global":
+        assert bound < 1.0 and screening.weighed["factors"][2] <= bound and record["robust_clipped"] == ["d"]
+    else:
+        assert bound == 1.0 and "d" in record["robust_basis_clipped"] and set(record["robust_basis_clipped"]) <= {"b", "c", "d"}
