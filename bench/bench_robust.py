@@ -14,6 +14,9 @@ PowerSGD's Q):
 - ``x50``: × 50, every phase; ``flip20``: × −20;
 - ``under``: scaled to 0.99 × the influence bound (100 × the others' median norm), the
   largest the refusal rule accepts; ``under-flip``: the same, sign flipped;
+- ``margin-flip``: its genuine upload negated and scaled as far (up to 20×) as the agreement
+  rule keeps it at a weight above 0, the attacker knowing every site's upload and its own
+  standing: the attacker just inside the agreement rule;
 - ``drift``: a constant tensor (drawn once per key, 10% of the first upload's mean |entry|)
   added every phase.
 
@@ -46,7 +49,8 @@ from dadfl.trust.screening import Screening
 from dadfl.strategies import make_strategy
 from dadfl.strategies.base import split_key
 from dadfl.strategies.checks import medians_of_the_others
-from dadfl.strategies.robust import DEFAULT_CLIP_RATIO
+from dadfl.strategies.gram import gram
+from dadfl.strategies.robust import DEFAULT_CLIP_RATIO, robust_weights
 from dadfl.workloads import load_workload, partition, site_batches
 
 STRATEGIES = {
@@ -57,9 +61,10 @@ STRATEGIES = {
     "powersgd r=2": ("powersgd", {"rank": 2}),
     "fedavg H=4": ("fedavg", {"local_steps": 4}),
 }
-ATTACKS = ("clean4", "x50", "flip20", "under", "under-flip", "drift")
+ATTACKS = ("clean4", "x50", "flip20", "under", "under-flip", "margin-flip", "drift")
 SITES, BATCH, LR, MAX_RATIO = 4, 32, 0.1, 100.0
 ATTACKER = SITES - 1
+RULE: dict = {}  # the agreement rule's margin and standing weight where the command line sets them
 
 
 def attacked(payload, roles, change):
@@ -68,8 +73,8 @@ def attacked(payload, roles, change):
 
 
 class Attacker:
-    def __init__(self, kind: str, strategy, screening: Screening):
-        self.kind, self.strategy, self.screening = kind, strategy, screening
+    def __init__(self, kind: str, strategy, screening: Screening, standing: bool = True):
+        self.kind, self.strategy, self.screening, self.standing = kind, strategy, screening, standing
         self.roles = {"grad", "D", "rows", "P"} | ({"Q"} if strategy.name == "powersgd" else set())
         self.drift: dict[str, torch.Tensor] = {}
 
@@ -86,6 +91,8 @@ class Attacker:
             factor = bound / norms[ATTACKER] if norms[ATTACKER] else 1.0
             factor = -factor if self.kind == "under-flip" else factor
             bad = attacked(genuine, self.roles, lambda k, t: t * factor)
+        elif self.kind == "margin-flip":
+            bad = attacked(genuine, self.roles, lambda k, t: t * -self.margin_scale(payloads, messages))
         elif self.kind == "drift":
             def add(key, tensor):
                 if key not in self.drift or self.drift[key].shape != tensor.shape:
@@ -96,6 +103,32 @@ class Attacker:
         else:
             bad = genuine
         return [*payloads[:ATTACKER], bad]
+
+    def margin_scale(self, payloads: list, messages: list) -> float:
+        """The largest s <= 20 at which −s × the genuine upload is not zeroed by agreement, the
+        attacker knowing every upload and its own standing (bisection on the rule itself: scaling
+        the factors scales the update, so G_s = D G D with D = diag(1, ..., 1, −s))."""
+        step, phase = payloads[0].step, payloads[0].phase
+        if not self.strategy.uploads_agree(step, phase):
+            return 20.0
+        layout, model = self.screening.replica.layout, self.screening.replica.model
+        G = gram([self.strategy.terms(layout, p, messages, model)[0] for p in payloads])
+        standing = [self.screening.standing.get(str(i), 0.0) for i in range(len(payloads))] if self.standing else None
+
+        def kept(scale: float) -> bool:
+            d = torch.ones(len(payloads), dtype=torch.float64)
+            d[ATTACKER] = -scale
+            screening = self.screening
+            weights = robust_weights(G * torch.outer(d, d), screening.clip_ratio, True, screening.agreement_margin, standing, screening.standing_weight)
+            return ATTACKER not in weights.disagreeing
+
+        if kept(20.0):
+            return 20.0
+        low, high = 0.0, 20.0
+        for _ in range(30):
+            middle = (low + high) / 2
+            low, high = (middle, high) if kept(middle) else (low, middle)
+        return low
 
 
 def run(
@@ -114,8 +147,8 @@ def run(
     sites = [Replica(workload, strategy, optimizer, "cpu") for _ in range(count)]
     for site in sites:
         site.load_weights_from(coordinator)
-    screening = Screening(coordinator, MAX_RATIO, None, clip_ratio=clip_ratio, agreement=agreement)
-    attacker = Attacker(attack if not honest_only else "clean4", strategy, screening)
+    screening = Screening(coordinator, MAX_RATIO, None, clip_ratio=clip_ratio, agreement=agreement, **RULE)
+    attacker = Attacker(attack if not honest_only else "clean4", strategy, screening, standing)
     server = strategy.server(coordinator.layout, coordinator.model)
     refused_attacker = refused_honest = aborted = 0
     attacker_weighed = honest_weighed = honest_clipped = honest_zeroed = honest_touched = honest_basis = 0
@@ -182,12 +215,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--attacks", nargs="+", default=list(ATTACKS), choices=list(ATTACKS))
     parser.add_argument("--clip-ratio", type=float, default=DEFAULT_CLIP_RATIO)
     parser.add_argument("--no-agreement", action="store_true")
+    parser.add_argument("--agreement-margin", type=float, default=None, help="beta (default: the rule's)")
+    parser.add_argument("--standing-weight", type=float, default=None, help="lambda (default: the rule's)")
     parser.add_argument("--per-step", action="store_true", help="agreement from each step alone, without the sites' standing")
     parser.add_argument("--off", action="store_true", help="no robust rule: only the refusals (the table before)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     clip, agreement = (None, False) if args.off else (args.clip_ratio, not args.no_agreement)
     torch.set_num_threads(1)
+    RULE.update({k: v for k, v in (("agreement_margin", args.agreement_margin), ("standing_weight", args.standing_weight)) if v is not None})
     rows = []
     for label in args.strategies:
         for seed in args.seeds:

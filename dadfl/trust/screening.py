@@ -54,7 +54,9 @@ from dadfl.sanitize import printable
 from dadfl.strategies import Payload
 from dadfl.strategies.checks import ModelFacts, all_finite, check_update, finite_flags, influence_outliers
 from dadfl.strategies.gram import UnpairedForms, gram, sq_norm, sq_norms
-from dadfl.strategies.robust import BASIS_CLIP_RATIO, DEFAULT_CLIP_RATIO, robust_weights, updated_standing
+from dadfl.strategies.robust import (
+    BASIS_CLIP_RATIO, DEFAULT_AGREEMENT_MARGIN, DEFAULT_CLIP_RATIO, DEFAULT_STANDING_WEIGHT, robust_weights, updated_standing,
+)
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +132,8 @@ class Screening:
     codec: int = pb.RAW  # what sites decode: the message after this codec's round trip
     clip_ratio: float | None = DEFAULT_CLIP_RATIO  # None or 0: no clipping
     agreement: bool = True
+    agreement_margin: float = DEFAULT_AGREEMENT_MARGIN  # β (``robust.py``)
+    standing_weight: float = DEFAULT_STANDING_WEIGHT  # λ (``robust.py``)
     facts: ModelFacts = field(init=False)
     # The step's factors so far (its earlier phases bound the later ones), and what the
     # metrics record of them: reset by each step's (each attempt's) phase 0.
@@ -242,7 +246,7 @@ class Screening:
         earlier = self.weighed if phase > 0 and self.weighed.get("step") == step else None
         standing = earlier.get("standing", self.standing) if earlier else self.standing
         before = [standing.get(site, 0.0) for site in sites] if sites is not None and agreement else None
-        weights = robust_weights(G, clip_ratio, agreement, standing=before)
+        weights = robust_weights(G, clip_ratio, agreement, self.agreement_margin, before, self.standing_weight)
         names = list(sites) if sites is not None else None
         here = _positions(earlier, names, len(payloads)) if earlier else {}  # earlier index -> this phase's
         factors = list(weights.factors)
@@ -260,7 +264,7 @@ class Screening:
             }
             if before is not None and weights.push_backs is not None:
                 standing = dict(standing)
-                standing.update({site: updated_standing(b, push) for site, b, push in zip(sites, before, weights.push_backs)})
+                standing.update({site: updated_standing(b, push, self.standing_weight) for site, b, push in zip(sites, before, weights.push_backs)})
             if standing is not self.standing:
                 self.weighed["standing"] = standing
         # A site of weight 0 leaves the phase's aggregate and its sample count, as if it had not
