@@ -64,6 +64,7 @@ STRATEGIES = {
 ATTACKS = ("clean4", "x50", "flip20", "under", "under-flip", "margin-flip", "drift")
 SITES, BATCH, LR, MAX_RATIO = 4, 32, 0.1, 100.0
 ATTACKER = SITES - 1
+PARTITION = {"scheme": "iid", "alpha": 0.5}  # how the training set is split (the command line's --partition, --alpha)
 RULE: dict = {}  # the agreement rule's margin and standing weight where the command line sets them
 
 
@@ -139,7 +140,7 @@ def run(
     workload = load_workload("digits-mlp")
     strategy = make_strategy(name, **options)
     train = workload.training_data()
-    indices = partition(SITES, len(train), "iid", labels=workload.labels, seed=seed)
+    indices = partition(SITES, len(train), PARTITION["scheme"], labels=workload.labels, alpha=PARTITION["alpha"], seed=seed)
     count = SITES - 1 if honest_only else SITES
     batches = [site_batches(train, index, BATCH, seed=seed + s) for s, index in enumerate(indices[:count])]
     optimizer = OptimizerConfig(name="sgd", lr=LR)
@@ -217,12 +218,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--no-agreement", action="store_true")
     parser.add_argument("--agreement-margin", type=float, default=None, help="beta (default: the rule's)")
     parser.add_argument("--standing-weight", type=float, default=None, help="lambda (default: the rule's)")
+    parser.add_argument("--partition", choices=["iid", "dirichlet", "quantity"], default="iid", help="how the sites' data is split")
+    parser.add_argument("--alpha", type=float, default=0.5, help="the Dirichlet concentration of a non-IID split")
     parser.add_argument("--per-step", action="store_true", help="agreement from each step alone, without the sites' standing")
     parser.add_argument("--off", action="store_true", help="no robust rule: only the refusals (the table before)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     clip, agreement = (None, False) if args.off else (args.clip_ratio, not args.no_agreement)
     torch.set_num_threads(1)
+    PARTITION.update(scheme=args.partition, alpha=args.alpha)
     RULE.update({k: v for k, v in (("agreement_margin", args.agreement_margin), ("standing_weight", args.standing_weight)) if v is not None})
     rows = []
     for label in args.strategies:

@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from dadfl.config import StrictModel
-from dadfl.strategies.robust import DEFAULT_CLIP_RATIO, check_clip_ratio
+from dadfl.strategies.robust import DEFAULT_AGREEMENT_MARGIN, DEFAULT_CLIP_RATIO, check_clip_ratio
 
 
 class FederationConfig(StrictModel):
@@ -36,8 +36,13 @@ class FederationConfig(StrictModel):
         "multiple of the median of the other sites' norms before aggregating (docs/robustness.md); 0: no clipping"
     )
     agreement: bool = Field(
-        True, description="bounded influence, 3 or more sites: a site that pushes the model back along the other sites' "
-        "summed update by more than 0.25x their median norm gets weight 0 for the step (docs/robustness.md)"
+        True, description="bounded influence, 3 or more sites: a site whose push-back on the model along the other sites' "
+        "summed update, averaged with its recent steps', reaches agreement_margin x their median norm gets weight 0 for "
+        "the step (docs/robustness.md)"
+    )
+    agreement_margin: float = Field(
+        DEFAULT_AGREEMENT_MARGIN, ge=0, le=10, description="the push-back (in median norms) at which agreement zeroes a "
+        "site; raise it where sites' data differ much (non-IID sites push back on each other honestly: docs/robustness.md)"
     )
     quarantine_after: int = Field(
         3, ge=1, description="refused uploads after which a site is quarantined for the run (run_dir/quarantine.json; "

@@ -21,7 +21,7 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from dadfl.strategies import exchange, make_strategy
 from dadfl.strategies.introspect import gradient_ranks
-from dadfl.strategies.robust import DEFAULT_CLIP_RATIO, check_clip_ratio
+from dadfl.strategies.robust import DEFAULT_AGREEMENT_MARGIN, DEFAULT_CLIP_RATIO, check_clip_ratio
 from dadfl.workloads import load_workload, partition, site_batches
 from dadfl.workloads.batches import PoissonBatches, SplitDataset
 
@@ -125,6 +125,9 @@ class SimulationConfig(StrictModel):
         "docs/robustness.md): each site's update scaled down to this multiple of the others' median norm; 0: off"
     )
     agreement: bool = Field(True, description="bounded influence: weight 0 for a site against the majority (federation.agreement)")
+    agreement_margin: float = Field(
+        DEFAULT_AGREEMENT_MARGIN, ge=0, le=10, description="the push-back at which agreement zeroes a site (federation.agreement_margin)"
+    )
     phase_timeout_s: float = Field(60.0, gt=0, description="--mode processes: how long the coordinator waits for a site's "
                                    "payload (federation.phase_timeout_s); raise it for a large model on a busy CPU")
     rank_every: int = Field(5, ge=0, description="read the effective rank of each site's gradient and of their sum off the factors "
@@ -196,7 +199,9 @@ def _simulate(config: SimulationConfig, spec: StrategySpec, metrics: MetricsWrit
         site.load_weights_from(coordinator)
     server = strategy.server(coordinator.layout, coordinator.model)
     # The coordinator's robust weights, as a networked run applies them (off under [dp], as there).
-    screening = Screening(coordinator, math.inf, None, clip_ratio=config.clip_ratio, agreement=config.agreement)
+    screening = Screening(
+        coordinator, math.inf, None, clip_ratio=config.clip_ratio, agreement=config.agreement, agreement_margin=config.agreement_margin,
+    )
     names = [f"site-{s}" for s in range(len(sites))]
     has_test = workload.test is not None and len(workload.test) > 0
 

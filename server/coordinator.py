@@ -83,7 +83,7 @@ class Coordinator(Admission, SiteStreams, PhaseUploads, StepLoop, cpb_grpc.Coord
         private = config.dp is not None
         self.screening = Screening(
             self.replica, federation.max_influence_ratio, federation.max_update_norm, self.codec,
-            None if private else federation.clip_ratio, federation.agreement and not private,
+            None if private else federation.clip_ratio, federation.agreement and not private, federation.agreement_margin,
         )
         self.run_dir = Path(config.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -104,7 +104,8 @@ def server_config_file(config: SimulationConfig, spec: StrategySpec, folder: Pat
             "wire": {"max_payload_bytes": SIMULATION_PAYLOAD_BYTES},
             "federation": {
                 "min_sites": config.sites, "initial_sites": config.sites, "linger_s": 0,
-                "clip_ratio": config.clip_ratio, "agreement": config.agreement, "phase_timeout_s": config.phase_timeout_s,
+                "clip_ratio": config.clip_ratio, "agreement": config.agreement,
+                "agreement_margin": config.agreement_margin, "phase_timeout_s": config.phase_timeout_s,
             },
             **({"dp": {**config.dp.model_dump(exclude_none=True), "max_sample_rate": dp_sample_rate(config)}} if config.dp else {}),
         },

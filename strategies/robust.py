@@ -63,11 +63,11 @@ coordinator turns the rule off with ``[dp]``; per-sample clipping bounds each si
 
 Tuning: ``standing_weight`` (λ) is how long a site's past counts (about 1 / (1 − λ) steps);
 0 is the per-step rule. ``clip_ratio`` (c) trades how much one site can move the model (c honest
-contributions) against how often honest sites are clipped; ``agreement_margin`` (β, the
-argument of :func:`robust_weights`; the runtimes use the default, not yet a configuration
-option) how far a site may push back each step against how often an honest site with a noisy
-gradient is zeroed (smaller batches, more heterogeneous data: raise it). ``docs/robustness.md`` has the
-measurements behind both defaults. Non-finite entries of G are the checks' business
+contributions) against how often honest sites are clipped; ``agreement_margin`` (β,
+``federation.agreement_margin``) how far a site may push back on average against how often an
+honest site is zeroed: sites whose data differ (label skew across hospitals) push back on each
+other honestly, and at β = 0.25 are zeroed in a large share of steps, so raise it there, or
+turn agreement off. ``docs/robustness.md`` has the measurements behind the defaults. Non-finite entries of G are the checks' business
 (``influence_outliers`` refuses non-finite norms before this runs); here they raise.
 """
 

@@ -24,7 +24,7 @@ from .policy import cached_workload
 # The ServerApp's bounds on replies: ``dadfl server``'s [federation] and [wire] fields of these names.
 BOUND_FIELDS = {
     "max_influence_ratio": FederationConfig, "max_update_norm": FederationConfig, "clip_ratio": FederationConfig,
-    "agreement": FederationConfig, "max_payload_bytes": WireConfig,
+    "agreement": FederationConfig, "agreement_margin": FederationConfig, "max_payload_bytes": WireConfig,
 }
 # Keys a Flower run config may set besides the SimulationConfig fields (dashes or underscores).
 RUN_CONFIG_EXTRAS = ("config", "strategy", "out", *BOUND_FIELDS)
@@ -55,6 +55,7 @@ class ServerBounds:
     max_payload_bytes: int = WireConfig().max_payload_bytes
     clip_ratio: float = FederationConfig().clip_ratio
     agreement: bool = FederationConfig().agreement
+    agreement_margin: float = FederationConfig().agreement_margin
 
     @classmethod
     def from_values(cls, values: dict[str, Any], source: str) -> "ServerBounds":

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -63,6 +64,11 @@ log = logging.getLogger(__name__)
 # The agreement rule needs every pair of sites (S(S-1)/2 inner products, each at most a norm's
 # cost); above this many sites a step is clipped only (S norms).
 MAX_AGREEMENT_SITES = 32
+# A site zeroed by agreement in this share of the last ZEROED_WINDOW committed steps is named to
+# the operator (``Screening._watch_zeroed``): in clean IID runs an honest site is zeroed in a few
+# percent of steps, with label skew in up to 85% (docs/robustness.md).
+ZEROED_WINDOW = 50
+ZEROED_WARN_SHARE = 0.3
 
 
 def nonfinite_reason(loss_sum: float, payload: Payload) -> str | None:
@@ -146,6 +152,9 @@ class Screening:
     # Each site's standing (``robust.py``), by site id, as of the last committed step: what a
     # checkpoint keeps. Sites are enrolled identities, so it holds one float per enrolled site.
     standing: dict[str, float] = field(init=False, default_factory=dict)
+    # The sites agreement zeroed in each of the last committed steps (the operator's warning).
+    zeroed_recently: list[frozenset[str]] = field(init=False, default_factory=list)
+    zeroed_warned_until: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         self.facts = ModelFacts.from_model(self.replica.model, self.replica.layout)
@@ -294,6 +303,7 @@ class Screening:
         self.standing = weighed.get("standing", self.standing)
         if len(weighed.get("factors", ())) != len(names):
             return {}
+        self._watch_zeroed(step, [names[i] for i in weighed["disagreeing"]])
         return {
             "robust_factors": {name: f for name, f in zip(names, weighed["factors"]) if f != 1.0},
             "robust_clipped": [names[i] for i in weighed["clipped"]],
@@ -301,6 +311,26 @@ class Screening:
             "robust_basis_clipped": [names[i] for i in weighed.get("basis_clipped", ())],
             **({"robust_standing": {name: round(self.standing[name], 4) for name in names if name in self.standing}} if "standing" in weighed else {}),
         }
+
+    def _watch_zeroed(self, step: int, zeroed: Sequence[str]) -> None:
+        """Tell the operator, once per window, of a site that agreement zeroed in a large share of
+        the last ``ZEROED_WINDOW`` committed steps: an attacker, or a site whose data differ from
+        the others' (an honest hospital with other patients pushes back on the others too). The
+        log names the site, never a value of its data."""
+        self.zeroed_recently.append(frozenset(zeroed))
+        del self.zeroed_recently[:-ZEROED_WINDOW]
+        if len(self.zeroed_recently) < ZEROED_WINDOW or step < self.zeroed_warned_until:
+            return
+        counts = Counter(site for sites in self.zeroed_recently for site in sites)
+        often = sorted(site for site, count in counts.items() if count >= ZEROED_WARN_SHARE * ZEROED_WINDOW)
+        if often:
+            log.warning(
+                "agreement gave %s weight 0 in %s of the last %d steps: a site that pushes the model back, or one whose data "
+                "differ from the others' (label skew pushes back honestly); if the sites' data differ, raise "
+                "federation.agreement_margin or set federation.agreement = false (docs/robustness.md)",
+                ", ".join(printable(site) for site in often), ", ".join(str(counts[site]) for site in often), ZEROED_WINDOW,
+            )
+            self.zeroed_warned_until = step + ZEROED_WINDOW
 
     def message(
         self, half: Any, payloads: Sequence[Payload], messages: Sequence[Payload], remember: bool = True, sites: Sequence[str] | None = None

@@ -205,12 +205,12 @@ def test_run_config_settings_and_errors(tmp_path):
     _, _, bounds = flower.settings_from_run_config(
         {**run_config, "max-influence-ratio": 20, "max-update-norm": 5, "max-payload-bytes": 4096})
     assert bounds == flower.ServerBounds(20.0, 5.0, 4096)
-    _, _, bounds = flower.settings_from_run_config({**run_config, "clip-ratio": 3, "agreement": False})
-    assert (bounds.clip_ratio, bounds.agreement) == (3.0, False)
+    _, _, bounds = flower.settings_from_run_config({**run_config, "clip-ratio": 3, "agreement": False, "agreement-margin": 0.5})
+    assert (bounds.clip_ratio, bounds.agreement, bounds.agreement_margin) == (3.0, False, 0.5)
     with pytest.raises(ValueError, match="clip_ratio"):
         flower.settings_from_run_config({**run_config, "clip-ratio": 0.5})
     with pytest.raises(ValueError, match="unknown key.*'sitez'"):
         flower.settings_from_run_config({"sitez": 2})
-    for key, value in (("max-influence-ratio", 1), ("max-update-norm", 0), ("max-payload-bytes", 10)):
+    for key, value in (("max-influence-ratio", 1), ("max-update-norm", 0), ("max-payload-bytes", 10), ("agreement-margin", -0.1)):
         with pytest.raises(ValueError, match=f"Flower run config.*{key.replace('-', '_')}"):  # the server config's limits
             flower.settings_from_run_config({**run_config, key: value})

@@ -27,8 +27,9 @@ def test_the_robust_standing_resumes_to_the_bit_and_a_malformed_one_is_refused(t
     """The robust rule's standing of each site (``Screening.standing``) is coordinator state: a
     restarted coordinator reads it back exactly, and refuses a checkpoint whose standing is not
     site ids to finite numbers."""
-    config = server_config(tmp_path)
+    config = server_config(tmp_path, federation={"agreement_margin": 0.5})
     coordinator = Coordinator(config)
+    assert coordinator.screening.agreement_margin == 0.5  # the configured margin is the rule's
     standing = {"site-a": 0.1 + 0.2, "site-b": -1 / 3, "site-c": 5e-324}
     checkpoint.save_checkpoint(config.run_dir, coordinator.replica, 3, "abc", coordinator.identity, {}, standing)
     assert Coordinator(config).screening.standing == standing

@@ -436,3 +436,21 @@ def test_a_site_refused_between_phases_leaves_and_the_others_keep_their_earlier_
         assert bound < 1.0 and screening.weighed["factors"][2] <= bound and record["robust_clipped"] == ["d"]
     else:
         assert bound == 1.0 and "d" in record["robust_basis_clipped"] and set(record["robust_basis_clipped"]) <= {"b", "c", "d"}
+
+
+def test_the_operator_is_told_of_a_site_zeroed_in_many_of_the_last_steps_once_per_window(caplog):
+    """A site that agreement zeroes in 30% or more of the last 50 committed steps is named in one
+    warning (an attacker, or a site whose data differ), again only after another 50 steps."""
+    from dadfl.trust.screening import ZEROED_WINDOW, Screening
+
+    strategy = make_strategy("dsgd")
+    coordinator, payloads, flipped = four_uploads(strategy)
+    screening, names = Screening(coordinator, 100.0, None), ["a", "b", "c", "eve"]
+    with caplog.at_level("WARNING", logger="dadfl.trust.screening"):
+        for step in range(2 * ZEROED_WINDOW):
+            uploads = [type(p)(step, 0, p.num_samples, p.tensors) for p in [*payloads[:3], flipped if step % 2 else payloads[3]]]
+            screening.refusals(step, 0, uploads, [])
+            screening.message(strategy.server(coordinator.layout, coordinator.model), uploads, [], sites=names)
+            assert ("eve" in screening.commit(step, names).get("robust_disagreeing", [])) == bool(step % 2)
+    warnings = [r.getMessage() for r in caplog.records if "weight 0" in r.getMessage()]
+    assert len(warnings) == 2 and all(w.startswith("agreement gave 'eve' weight 0 in 25 of the last 50 steps") for w in warnings)
