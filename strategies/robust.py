@@ -45,14 +45,13 @@ samples of the sites of nonzero weight.
    then, once the step is committed, h_i ← λ · h_i + (1 − λ) · p_i
    (:func:`updated_standing`). An honest site, which pulls forward on average (h_i < 0), is
    zeroed only for a push-back far past β; a site that pushed back in recent steps is zeroed
-   even in a step where it happens not to. A site that wants to push back must keep its
-   average push-back below β, as before; what it can no longer do is add a gradient's worth
-   of noise (c · m_i, orthogonal to the others) in the steps where it does not. This is the
-   lesson of Karimireddy, He and Jaggi (ICML 2021, "Learning from history for Byzantine
-   robust optimization"): a rule that looks at one step at a time cannot tell an attacker
-   from noise; one that averages over steps can. The standing is the coordinator's state
-   (its checkpoint keeps it: a resumed run is bit-identical); a site keeps it across
-   disconnects, so leaving and rejoining does not reset it.
+   even in a step where it happens not to, instead of adding c · m_i of its flipped gradient
+   there. Karimireddy, He and Jaggi (ICML 2021, "Learning from history for Byzantine robust
+   optimization") show that a rule looking at one step at a time cannot tell an attacker from
+   gradient noise. An attacker that adapts to this rule still pushes back by up to β on
+   average, in the steps where its own batch hides it best (``docs/robustness.md``). The
+   standing is the coordinator's state (its checkpoint keeps it: a resumed run is
+   bit-identical); a site keeps it across disconnects, so leaving and rejoining does not reset it.
 
 s_i = a_i · w_i. A clean step (every site within c× the others' median, none pushing back
 past the margin) gives every site 1: the coordinator then aggregates the uploads untouched.
@@ -62,13 +61,14 @@ could move a whole site's weight, a sensitivity the noise is not calibrated for 
 coordinator turns the rule off with ``[dp]``; per-sample clipping bounds each site there).
 
 Tuning: ``standing_weight`` (λ) is how long a site's past counts (about 1 / (1 − λ) steps);
-0 is the per-step rule. ``clip_ratio`` (c) trades how much one site can move the model (c honest
-contributions) against how often honest sites are clipped; ``agreement_margin`` (β,
+0 is the per-step rule. ``clip_ratio`` (c) trades how much one site can move the model (c
+honest contributions) against how often honest sites are clipped; ``agreement_margin`` (β,
 ``federation.agreement_margin``) how far a site may push back on average against how often an
 honest site is zeroed: sites whose data differ (label skew across hospitals) push back on each
 other honestly, and at β = 0.25 are zeroed in a large share of steps, so raise it there, or
-turn agreement off. ``docs/robustness.md`` has the measurements behind the defaults. Non-finite entries of G are the checks' business
-(``influence_outliers`` refuses non-finite norms before this runs); here they raise.
+turn agreement off. ``docs/robustness.md`` has the measurements behind the defaults.
+Non-finite entries of G are the checks' business (``influence_outliers`` refuses non-finite
+norms before this runs); here they raise.
 """
 
 from __future__ import annotations

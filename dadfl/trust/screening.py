@@ -235,6 +235,8 @@ class Screening:
         keep the factors for the step's later phases and the metrics (not for trial runs).
         ``sites``: the uploads' site ids, whose standing the rule reads (None: this step alone
         decides); their new standing takes effect when the runtime commits the step (``commit``)."""
+        if sites is not None and len(sites) != len(payloads):
+            raise ValueError(f"{len(sites)} site ids for {len(payloads)} uploads: name every upload's site, in order")
         if len(payloads) < 2 or (not self.clip_ratio and not self.agreement):
             return list(payloads)
         strategy, layout = self.strategy, self.replica.layout
