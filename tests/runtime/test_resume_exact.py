@@ -20,7 +20,9 @@ from tests.helpers.network import ServerThread, SiteThread, dadfl_command, free_
 
 pytestmark = pytest.mark.network  # every test here starts a coordinator, a site or a process
 
-STEPS, SITES, CHECKPOINT_EVERY = 60, 2, 6
+# Three sites: the robust rule weighs agreement, so each site's standing (coordinator state) goes
+# through the kill and the resume too.
+STEPS, SITES, CHECKPOINT_EVERY = 60, 3, 6
 SERVER_KILL_AFTER, SITE_KILL_AFTER = 8, 30
 STRATEGIES = {
     "dad": {"downlink": "factors"},
@@ -71,7 +73,7 @@ def wait_for(condition, timeout: float, what: str) -> None:
 
 
 class Federation:
-    """A ``dadfl server`` process, site-0 in a thread and site-1 as a ``dadfl site`` process."""
+    """A ``dadfl server`` process, site-1 as a ``dadfl site`` process, the other sites in threads."""
 
     def __init__(self, tmp: Path, strategy: str):
         self.tmp = tmp
@@ -82,7 +84,7 @@ class Federation:
         self.process_site = self.start("site", self.site_toml)
         # A slow machine can take longer to start the server than a site retries for.
         wait_for(lambda: "coordinator listening" in self.log("server"), 180, "the coordinator to listen")
-        self.thread_site = SiteThread(site_cfgs[0]).start()
+        self.thread_sites = [SiteThread(c).start() for i, c in enumerate(site_cfgs) if i != 1]
 
     def start(self, kind: str, toml: Path) -> subprocess.Popen:
         log = (self.tmp / f"{toml.stem}.log").open("a")
@@ -102,7 +104,7 @@ class Federation:
     def finish(self) -> dict[str, torch.Tensor]:
         assert self.server.wait(120) == 0, self.log("server")
         assert self.process_site.wait(60) == 0, self.log("site-1")
-        self.thread_site_summary = self.thread_site.join(60)
+        self.thread_site_summaries = [site.join(60) for site in self.thread_sites]
         assert [r["step"] for r in records(self.server_cfg.run_dir)] == list(range(STEPS)), "every step once, none lost or doubled"
         return final_model(self.server_cfg.run_dir)
 
@@ -157,7 +159,9 @@ def test_killed_coordinator_and_killed_site_resume_bit_identically(tmp_path, str
     assert "resuming run" in server_log and "site-1 joined" in server_log.rsplit("resuming run", 1)[1]
     last_checkpoint = done // CHECKPOINT_EVERY * CHECKPOINT_EVERY  # or the one before, if the kill hit its write
     assert re.search(rf"resuming run \S+ at step ({last_checkpoint}|{last_checkpoint - CHECKPOINT_EVERY}) ", server_log), server_log[-3000:]
-    assert federation.thread_site_summary.connections >= 2, "site-0 followed the restarted coordinator"
+    assert all(s.connections >= 2 for s in federation.thread_site_summaries), "the thread sites followed the restarted coordinator"
+    standing = [r.get("robust_standing") for r in records(tmp_path / "killed" / "run")]
+    assert standing == [r.get("robust_standing") for r in records(tmp_path / "reference" / "run")] and standing[-1], "standing resumed"
     assert "strategy state reset" not in server_log
     saved = sorted(p.name for p in (tmp_path / "killed" / "site-1-state").rglob("half-*.pt"))
     assert 1 <= len(saved) <= 3, f"a site keeps only the states the server may ask for, not {saved}"
@@ -184,4 +188,4 @@ def test_a_site_without_the_steps_state_resets_strategy_state_everywhere(tmp_pat
     assert len(resets) == 1 and "site-late cannot restore the strategy state" in resets[0], resets
     history = records(server_cfg.run_dir)
     assert {s.fingerprint for s in summaries} == {history[-1]["fingerprint"]}
-    assert history[-1]["sites"] == 3
+    assert history[-1]["sites"] == SITES + 1
