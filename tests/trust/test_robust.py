@@ -288,10 +288,31 @@ def four_uploads(strategy):
         strategy.site(coordinator.layout, coordinator.model).begin(coordinator.work(site_batches(train, index, 128, seed=s).at, 0), 0)
         for s, index in enumerate(indices)
     ]
-    flipped = type(payloads[3])(0, 0, payloads[3].num_samples, {
-        k: -20 * t if split_key(k)[1] in strategy.SCALED_ROLES and t.is_floating_point() else t for k, t in payloads[3].tensors.items()
+    return coordinator, payloads, times(strategy, payloads[3], -20)
+
+
+def times(strategy, payload, factor: float):
+    """The upload with its gradient-carrying tensors (the strategy's ``SCALED_ROLES``) times
+    ``factor``, of any sign or size: what an attacker sends (``Strategy.scale`` takes [0, 1] only)."""
+    return type(payload)(payload.step, payload.phase, payload.num_samples, {
+        k: factor * t if split_key(k)[1] in strategy.SCALED_ROLES and t.is_floating_point() else t for k, t in payload.tensors.items()
     })
-    return coordinator, payloads, flipped
+
+
+def powersgd_sites(memory: str):
+    """PowerSGD (rank 2, compressing from step 0) on digits-mlp: the strategy, a coordinator
+    replica, and four sites' halves on its weights with their IID batches."""
+    from dadfl.replica import OptimizerConfig, Replica
+    from dadfl.workloads import load_workload, partition, site_batches
+
+    torch.manual_seed(0)
+    workload = load_workload("digits-mlp")
+    strategy = make_strategy("powersgd", rank=2, start_iter=0, memory=memory)
+    train = workload.training_data()
+    indices = partition(4, len(train), "iid", labels=workload.labels, seed=0)
+    coordinator = Replica(workload, strategy, OptimizerConfig(name="sgd", lr=0.1), "cpu")
+    sites = [strategy.site(coordinator.layout, coordinator.model) for _ in indices]
+    return strategy, coordinator, sites, [site_batches(train, index, 32, seed=s) for s, index in enumerate(indices)]
 
 
 def test_the_screening_commits_a_steps_standing_once_and_a_retried_attempt_starts_from_the_committed_one():
@@ -350,26 +371,14 @@ def test_powersgd_a_site_flipped_at_the_clip_bound_gets_weight_zero_on_q_and_its
     message is the three honest sites' to the bit. With the hook's memory both phases are
     clipped only (its honest sites' uploads carry the random walk of their memories:
     docs/robustness.md)."""
-    from dadfl.replica import OptimizerConfig, Replica
     from dadfl.trust.screening import Screening
-    from dadfl.workloads import load_workload, partition, site_batches
 
-    torch.manual_seed(0)
-    workload = load_workload("digits-mlp")
-    strategy = make_strategy("powersgd", rank=2, start_iter=0, memory=memory)
-    train = workload.training_data()
-    indices = partition(4, len(train), "iid", labels=workload.labels, seed=0)
-    coordinator = Replica(workload, strategy, OptimizerConfig(name="sgd", lr=0.1), "cpu")
+    strategy, coordinator, sites, batches = powersgd_sites(memory)
     layout, model = coordinator.layout, coordinator.model
-    sites = [strategy.site(layout, model) for _ in indices]
-    batches = [site_batches(train, index, 32, seed=s) for s, index in enumerate(indices)]
     screening = Screening(coordinator, 100.0, None)
 
     def flip(payload):
-        return type(payload)(payload.step, payload.phase, payload.num_samples, {
-            k: -20 * t if split_key(k)[1] in strategy.SCALED_ROLES and t.is_floating_point() else t
-            for k, t in payload.tensors.items()
-        })
+        return times(strategy, payload, -20)
 
     for step in range(4):
         payloads = [site.begin(coordinator.work(batch.at, step), step) for site, batch in zip(sites, batches)]
@@ -405,25 +414,14 @@ def test_a_site_refused_between_phases_leaves_and_the_others_keep_their_earlier_
     by its id, not by its position: ``d``, sent at 20×, stays bound by its phase-0 clip (hook's
     memory: the factor carries over) or recorded as basis-clipped (site memory), and the step's
     record names only the sites of the step's last phase."""
-    from dadfl.replica import OptimizerConfig, Replica
     from dadfl.trust.screening import Screening
-    from dadfl.workloads import load_workload, partition, site_batches
 
-    torch.manual_seed(0)
-    workload = load_workload("digits-mlp")
-    strategy = make_strategy("powersgd", rank=2, start_iter=0, memory=memory)
-    train = workload.training_data()
-    indices = partition(4, len(train), "iid", labels=workload.labels, seed=0)
-    coordinator = Replica(workload, strategy, OptimizerConfig(name="sgd", lr=0.1), "cpu")
+    strategy, coordinator, sites, batches = powersgd_sites(memory)
     layout, model = coordinator.layout, coordinator.model
-    sites = [strategy.site(layout, model) for _ in indices]
-    batches = [site_batches(train, index, 32, seed=s) for s, index in enumerate(indices)]
     screening = Screening(coordinator, 100.0, None, agreement=False)
 
     def scaled(payload):
-        return type(payload)(payload.step, payload.phase, payload.num_samples, {
-            k: 20 * t if split_key(k)[1] in strategy.SCALED_ROLES and t.is_floating_point() else t for k, t in payload.tensors.items()
-        })
+        return times(strategy, payload, 20)
 
     payloads = [site.begin(coordinator.work(batch.at, 0), 0) for site, batch in zip(sites, batches)]
     server = strategy.server(layout, model)
