@@ -116,11 +116,12 @@ class Attacker:
         G = gram([self.strategy.terms(layout, p, messages, model)[0] for p in payloads])
         standing = [self.screening.standing.get(str(i), 0.0) for i in range(len(payloads))] if self.standing else None
 
+        rule = self.screening
+
         def kept(scale: float) -> bool:
             d = torch.ones(len(payloads), dtype=torch.float64)
             d[ATTACKER] = -scale
-            screening = self.screening
-            weights = robust_weights(G * torch.outer(d, d), screening.clip_ratio, True, screening.agreement_margin, standing, screening.standing_weight)
+            weights = robust_weights(G * torch.outer(d, d), rule.clip_ratio, True, rule.agreement_margin, standing, rule.standing_weight)
             return ATTACKER not in weights.disagreeing
 
         if kept(20.0):
