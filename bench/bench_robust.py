@@ -17,6 +17,10 @@ PowerSGD's Q):
 - ``margin-flip``: its genuine upload negated and scaled as far (up to 20×) as the agreement
   rule keeps it at a weight above 0, the attacker knowing every site's upload and its own
   standing: the attacker just inside the agreement rule;
+- ``blind-flip``: the same without seeing the others' uploads: the attacker takes the
+  direction of the last message it received for the others' sum and its own norm for their
+  median, follows its standing by those estimates, and keeps its estimated score below
+  0.9 β (one-phase strategies whose messages are updates: dSGD, dAD, auto, FedAvg);
 - ``drift``: a constant tensor (drawn once per key, 10% of the first upload's mean |entry|)
   added every phase.
 
@@ -61,9 +65,10 @@ STRATEGIES = {
     "powersgd r=2": ("powersgd", {"rank": 2}),
     "fedavg H=4": ("fedavg", {"local_steps": 4}),
 }
-ATTACKS = ("clean4", "x50", "flip20", "under", "under-flip", "margin-flip", "drift")
+ATTACKS = ("clean4", "x50", "flip20", "under", "under-flip", "margin-flip", "blind-flip", "drift")
 SITES, BATCH, LR, MAX_RATIO = 4, 32, 0.1, 100.0
 ATTACKER = SITES - 1
+BLIND_STRATEGIES = ("dsgd", "dad", "auto", "fedavg H=4")  # one phase, a message that is the update (blind-flip)
 PARTITION = {"scheme": "iid", "alpha": 0.5}  # how the training set is split (the command line's --partition, --alpha)
 RULE: dict = {}  # the agreement rule's margin and standing weight where the command line sets them
 
@@ -78,6 +83,8 @@ class Attacker:
         self.kind, self.strategy, self.screening, self.standing = kind, strategy, screening, standing
         self.roles = {"grad", "D", "rows", "P"} | ({"Q"} if strategy.name == "powersgd" else set())
         self.drift: dict[str, torch.Tensor] = {}
+        self.last_message = None  # blind-flip: the last step's message, as every site receives it
+        self.estimated_standing = 0.0  # blind-flip: its standing as it estimates it
 
     def __call__(self, payloads: list, messages: list) -> list:
         genuine = payloads[ATTACKER]
@@ -94,6 +101,8 @@ class Attacker:
             bad = attacked(genuine, self.roles, lambda k, t: t * factor)
         elif self.kind == "margin-flip":
             bad = attacked(genuine, self.roles, lambda k, t: t * -self.margin_scale(payloads, messages))
+        elif self.kind == "blind-flip":
+            bad = attacked(genuine, self.roles, lambda k, t: t * -self.blind_scale(genuine, messages))
         elif self.kind == "drift":
             def add(key, tensor):
                 if key not in self.drift or self.drift[key].shape != tensor.shape:
@@ -131,6 +140,23 @@ class Attacker:
             middle = (low + high) / 2
             low, high = (middle, high) if kept(middle) else (low, middle)
         return low
+
+
+    def blind_scale(self, genuine, messages: list) -> float:
+        """The largest s <= 20 whose estimated score stays below 0.9 β: push-back estimated as
+        s · ‖g‖ (at most c · ‖g‖) times the cosine of its genuine update with the last message."""
+        if self.last_message is None:
+            return 0.0  # nothing to estimate from yet: send nothing
+        layout, model, rule = self.screening.replica.layout, self.screening.replica.model, self.screening
+        own, last = self.strategy.terms(layout, genuine, messages, model)[0], self.strategy.terms(layout, self.last_message, [], model)[0]
+        G = gram([own, last])
+        norm, cosine = math.sqrt(G[0, 0]), float(G[0, 1] / math.sqrt(G[0, 0] * G[1, 1])) if G[0, 0] * G[1, 1] > 0 else 0.0
+        weight, limit = rule.standing_weight, 0.9 * rule.agreement_margin
+        scale = 20.0 if cosine <= 0 else min(20.0, (limit - weight * self.estimated_standing) / ((1 - weight) * cosine))
+        scale = max(scale, 0.0)
+        push = min(scale, rule.clip_ratio) * cosine if norm else 0.0  # a clipped site sends c · ‖g‖ at most
+        self.estimated_standing = weight * self.estimated_standing + (1 - weight) * push
+        return scale
 
 
 def run(
@@ -183,6 +209,7 @@ def run(
                 payloads = replies
             if messages is None:
                 continue  # as an aborted step: every replica keeps its weights
+            attacker.last_message = messages[-1]
             weighed = screening.weighed if screening.weighed.get("step") == step else {}
             screening.commit(step, [str(i) for i in active])
             factors = weighed.get("factors", [1.0] * len(active))
@@ -225,6 +252,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--off", action="store_true", help="no robust rule: only the refusals (the table before)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    unsupported = [label for label in args.strategies if label not in BLIND_STRATEGIES]
+    if "blind-flip" in args.attacks and unsupported:
+        parser.error(f"blind-flip estimates from the last message, which is no update for {', '.join(unsupported)}; drop them or the attack")
     clip, agreement = (None, False) if args.off else (args.clip_ratio, not args.no_agreement)
     torch.set_num_threads(1)
     PARTITION.update(scheme=args.partition, alpha=args.alpha)
