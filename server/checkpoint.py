@@ -1,7 +1,8 @@
 """``dadfl.server.checkpoint`` — atomic checkpoints of the coordinator's replica, and resuming from them.
 
 A checkpoint holds the model and optimizer state, the server strategy half's state at
-the start of the next step, the next step to run, the run id, the robust rule's standing of each site, and the identity of the run (workload, strategy, optimizer) so a restart with a
+the start of the next step, the next step to run, the run id, the robust rule's standing of
+each site, and the identity of the run (workload, strategy, optimizer) so a restart with a
 different config is refused instead of silently mixing runs. Files are written to a
 temporary name, flushed to disk and renamed (``os.replace``), so a crash leaves either
 the old or the new checkpoint, never a torn one.

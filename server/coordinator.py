@@ -27,6 +27,7 @@ checked before it is used, and what a site can make the coordinator hold is boun
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 import weakref
@@ -108,7 +109,7 @@ class Coordinator(Admission, SiteStreams, PhaseUploads, StepLoop, cpb_grpc.Coord
         if resumed and self.privacy is not None:
             strategy_state, privacy_state = split_state(resumed.strategy_state or {})
             self.privacy.load_state_dict(privacy_state)
-            resumed = checkpoint.Resumed(resumed.next_step, resumed.run_id, strategy_state if resumed.strategy_state is not None else None, resumed.standing)
+            resumed = dataclasses.replace(resumed, strategy_state=strategy_state if resumed.strategy_state is not None else None)
         self.step = resumed.next_step if resumed else 0
         self.checkpoint_step = self.step  # the step a restart would replay from
         self.run_id = resumed.run_id if resumed else uuid.uuid4().hex[:12]

@@ -21,6 +21,7 @@ Answers to an aborted attempt, and uploads that began a step the site must compu
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 
@@ -142,8 +143,8 @@ class PhaseUploads:
             nbytes = sum(p.nbytes() for p in payloads)
             start = self.server_half.state_dict()
             try:
-                sites = [link.site_id for link, _ in uploads]
-                return (uploads, *await self._off_loop(nbytes, self.screening.message, self.server_half, payloads, messages, True, sites))
+                message = functools.partial(self.screening.message, sites=[link.site_id for link, _ in uploads])
+                return (uploads, *await self._off_loop(nbytes, message, self.server_half, payloads, messages))
             except Exception as exc:
                 self.server_half.load_state_dict(start)  # as at the phase's start, for the recomputation
                 failure = f"{type(exc).__name__}: {exc}"

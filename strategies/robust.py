@@ -144,8 +144,9 @@ def robust_weights(
         remaining = [i for i in range(S) if norms[i]]  # a site that adds nothing pushes nowhere
         while len(remaining) >= 3:
             push = _push_backs(clipped, remaining)
-            worst = max(remaining, key=lambda i: (weight * past[i] + (1 - weight) * push[i], -i))
-            if weight * past[worst] + (1 - weight) * push[worst] < agreement_margin:
+            score = {i: updated_standing(past[i], push[i], weight) for i in remaining}  # the standing it would have
+            worst = max(remaining, key=lambda i: (score[i], -i))
+            if score[worst] < agreement_margin:
                 break
             disagreeing.append(worst)
             remaining.remove(worst)

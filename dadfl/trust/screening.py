@@ -264,7 +264,9 @@ class Screening:
         for i, j in here.items():  # a site refused between the phases is gone; the others keep their bound
             factors[j] = min(factors[j], earlier["factors"][i])
         if remember:
-            mapped = lambda key: {here[i] for i in earlier.get(key, ()) if i in here} if earlier else set()  # noqa: E731
+            def mapped(key: str) -> set[int]:  # an earlier phase's sites of ``key``, at their places in this phase
+                return {here[i] for i in earlier.get(key, ()) if i in here} if earlier else set()
+
             clipped, disagreeing = set(weights.clipped) | mapped("clipped"), set(weights.disagreeing) | mapped("disagreeing")
             basis_clipped = mapped("basis_clipped")
             if basis:  # its factors bind no later phase; the sites it clipped are recorded apart
