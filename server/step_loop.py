@@ -182,6 +182,8 @@ class StepLoop:
         self.finished = True
         checkpoint.save_final_model(self.run_dir, self.replica)
         for link in list(self.links.values()):
+            if link.closed:  # dropped, its stream still ending: it hears the end when it rejoins (``_linger``)
+                continue
             if not link.admitted:  # joined during the last step: send it the final model
                 self._send(link, *self._state_messages())
             self._send(link, Encoded.of(cpb.ServerMessage(finished=cpb.Finished(reason=f"run {self.run_id} finished after {steps} steps"))))
