@@ -4,7 +4,8 @@
 
 For each site count N it runs, in the same session:
 
-- **echo**: a bare grpc.aio bidirectional stream per client process; one round = the
+- **echo**: a bare grpc.aio server and a blocking-gRPC client process per client (and again
+  with grpc.aio clients, for their CPU); one round = the
   server sends one small message to all N clients and waits for every reply. A step of
   dadfl with a one-phase strategy makes one such round: the server's message of step t
   is also the start of step t + 1, whose upload carries the step_done of t.
@@ -25,7 +26,10 @@ same run) at 8 and at 32 site processes.
 when the run is ``WARMUP`` steps (rounds) in and again a few before its end: start-up,
 imports and teardown (about a second of CPU per process, against well under a millisecond
 per step) stay outside the window. Reported: CPU per site process per step beside an echo
-client's per round, and their ratio (goal: at most ``GOAL_CPU_RATIO``); the coordinator's
+client's per round, and their ratio (goal: at most ``GOAL_CPU_RATIO``); beside them a
+grpc.aio echo client's (the client stack a site runs on: one coroutine reading and writing
+the stream), which the goal's client, a blocking gRPC stream fed by a thread, undercuts;
+the coordinator's
 CPU (this process) per site and step beside the echo server's per client and round. The
 dadfl window is found by watching the metrics file's size every ``WATCH_S`` (a few stat
 calls a second, nothing beside the coordinator's own CPU). With more processes than cores a step can take no less than sites × CPU per site / cores, which the
@@ -111,6 +115,20 @@ def _echo_client(address: str) -> None:
     channel.close()
 
 
+def _aio_echo_client(address: str) -> None:
+    """``_echo_client`` on grpc.aio, the stack a site's client uses: one read and one write a
+    round on one coroutine, as ``Site.connect_once`` does."""
+
+    async def answer() -> None:
+        async with grpc.aio.insecure_channel(address) as channel:
+            call = channel.stream_stream(ECHO_METHOD, request_serializer=lambda b: b, response_deserializer=lambda b: b)()
+            await call.write(b"hello")
+            while (message := await call.read()) is not grpc.aio.EOF:
+                await call.write(message)
+
+    asyncio.run(answer())
+
+
 @dataclass
 class CpuWindow:
     """CPU seconds used between two readings by some processes and by this one, over ``steps``."""
@@ -128,7 +146,7 @@ class CpuWindow:
         self.own += sign * cpu_seconds(os.getpid())
 
 
-async def _echo_server(n_clients: int, rounds: int) -> tuple[list[float], CpuWindow]:
+async def _echo_server(n_clients: int, rounds: int, client=_echo_client) -> tuple[list[float], CpuWindow]:
     queues: list[asyncio.Queue] = []
     everyone = asyncio.Event()
 
@@ -157,7 +175,7 @@ async def _echo_server(n_clients: int, rounds: int) -> tuple[list[float], CpuWin
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     spawn = multiprocessing.get_context("spawn")  # forking a process that runs gRPC is unsafe
-    clients = [spawn.Process(target=_echo_client, args=(f"127.0.0.1:{port}",)) for _ in range(n_clients)]
+    clients = [spawn.Process(target=client, args=(f"127.0.0.1:{port}",)) for _ in range(n_clients)]
     for client in clients:
         client.start()
     await asyncio.wait_for(everyone.wait(), 120)
@@ -297,6 +315,8 @@ def main() -> None:
     results = []
     for n in args.sites:
         echo_times, echo_cpu = asyncio.run(_echo_server(n, args.steps))
+        _, aio_cpu = asyncio.run(_echo_server(n, args.steps, _aio_echo_client))
+        aio_client = aio_cpu.others / (n * aio_cpu.steps)
         step_times, site_cpu = run_dadfl(n, args.steps)
         echo, step = statistics.median(echo_times), statistics.median(step_times)
         echo_client, echo_server = echo_cpu.others / (n * echo_cpu.steps), echo_cpu.own / (n * echo_cpu.steps)
@@ -312,6 +332,7 @@ def main() -> None:
             "overhead_on_cores_ms": on_cores * 1e3, "overhead_on_cores_per_echo_round": on_cores / echo,
             "cpu_per_site_step_ms": site_process * 1e3, "cpu_per_echo_client_round_ms": echo_client * 1e3,
             "cpu_site_per_echo_client": ratio(site_process, echo_client),
+            "cpu_per_aio_echo_client_round_ms": aio_client * 1e3, "cpu_site_per_aio_echo_client": ratio(site_process, aio_client),
             "coordinator_cpu_per_site_step_ms": coordinator * 1e3, "echo_server_cpu_per_client_round_ms": echo_server * 1e3,
             "cpu_coordinator_per_echo_server": ratio(coordinator, echo_server),
             "cpu_floor_step_ms": n * site_process / max(1, min(n, cores)) * 1e3, "goal_step_ms": goal_step * 1e3,
@@ -325,7 +346,8 @@ def main() -> None:
         )
         print(
             f"{n:3d} sites: CPU per site process and step {site_process * 1e3:5.3f} ms, an echo client per round "
-            f"{echo_client * 1e3:5.3f} ms: {ratio(site_process, echo_client):4.1f}x (goal <= {GOAL_CPU_RATIO}x) | coordinator CPU per site and "
+            f"{echo_client * 1e3:5.3f} ms: {ratio(site_process, echo_client):4.1f}x (goal <= {GOAL_CPU_RATIO}x), a grpc.aio echo client "
+            f"{aio_client * 1e3:5.3f} ms: {ratio(site_process, aio_client):4.1f}x | coordinator CPU per site and "
             f"step {coordinator * 1e3:5.3f} ms, the echo server's per client and round {echo_server * 1e3:5.3f} ms: "
             f"{ratio(coordinator, echo_server):4.1f}x | {n} sites on {cores} cores: a step takes at least {results[-1]['cpu_floor_step_ms']:6.2f} ms "
             f"| the goal's step {goal_step * 1e3:5.2f} ms leaves each site {results[-1]['goal_cpu_per_site_step_ms']:5.3f} ms of CPU",
