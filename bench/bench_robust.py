@@ -16,7 +16,7 @@ PowerSGD's Q):
   largest the refusal rule accepts; ``under-flip``: the same, sign flipped;
 - ``margin-flip``: its genuine upload negated and scaled as far (up to 20×) as the agreement
   rule keeps it at a weight above 0, the attacker knowing every site's upload and its own
-  standing: the attacker just inside the agreement rule;
+  standing and the clip's history: the attacker just inside the agreement rule;
 - ``blind-flip``: the same without seeing the others' uploads: the attacker takes the
   direction of the last message it received for the others' sum and its own norm for their
   median, follows its standing by those estimates, and keeps its estimated score below
@@ -116,21 +116,22 @@ class Attacker:
 
     def margin_scale(self, payloads: list, messages: list) -> float:
         """The largest s <= 20 at which −s × the genuine upload is not zeroed by agreement, the
-        attacker knowing every upload and its own standing (bisection on the rule itself: scaling
-        the factors scales the update, so G_s = D G D with D = diag(1, ..., 1, −s))."""
+        attacker knowing every upload, its own standing and the clip's history (bisection on the
+        rule itself: scaling the factors scales the update, so G_s = D G D with D = diag(1, ..., 1, −s))."""
         step, phase = payloads[0].step, payloads[0].phase
         if not self.strategy.uploads_agree(step, phase):
             return 20.0
         layout, model = self.screening.replica.layout, self.screening.replica.model
         G = gram([self.strategy.terms(layout, p, messages, model)[0] for p in payloads])
         standing = [self.screening.standing.get(str(i), 0.0) for i in range(len(payloads))] if self.standing else None
+        history = [self.screening.recent_norms.get(str(i), {}).get(phase, []) for i in range(len(payloads))] if self.standing else None
 
         rule = self.screening
 
         def kept(scale: float) -> bool:
             d = torch.ones(len(payloads), dtype=torch.float64)
             d[ATTACKER] = -scale
-            weights = robust_weights(G * torch.outer(d, d), rule.clip_ratio, True, rule.agreement_margin, standing, rule.standing_weight)
+            weights = robust_weights(G * torch.outer(d, d), rule.clip_ratio, True, rule.agreement_margin, standing, rule.standing_weight, history)
             return ATTACKER not in weights.disagreeing
 
         if kept(20.0):

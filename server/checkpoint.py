@@ -2,7 +2,7 @@
 
 A checkpoint holds the model and optimizer state, the server strategy half's state at
 the start of the next step, the next step to run, the run id, the robust rule's standing of
-each site, and the identity of the run (workload, strategy, optimizer) so a restart with a
+each site and its recent update norms (the clip's history), and the identity of the run (workload, strategy, optimizer) so a restart with a
 different config is refused instead of silently mixing runs. Files are written to a
 temporary name, flushed to disk and renamed (``os.replace``), so a crash leaves either
 the old or the new checkpoint, never a torn one.
@@ -32,6 +32,7 @@ from dadfl.protos.state_file import verify, write_state
 from dadfl.replica import Replica
 from dadfl.sanitize import one_line
 from dadfl.strategies.checks import all_finite
+from dadfl.strategies.robust import CLIP_HISTORY_STEPS
 
 CHECKPOINT = "checkpoint.pt"
 FINAL_MODEL = "model.pt"
@@ -45,6 +46,7 @@ class Resumed:
     run_id: str
     strategy_state: dict[str, torch.Tensor] | None  # None: a checkpoint written before states were kept
     standing: dict[str, float]  # the robust rule's standing by site id (``Screening.standing``)
+    recent_norms: dict[str, dict[int, list[float]]]  # the clip's history by site id and phase (``Screening.recent_norms``)
 
 
 def atomic_write(path: Path, write) -> None:
@@ -59,11 +61,13 @@ def atomic_write(path: Path, write) -> None:
 
 def save_checkpoint(
     run_dir: Path, replica: Replica, next_step: int, run_id: str, identity: dict, strategy_state: dict[str, torch.Tensor],
-    standing: dict[str, float],
+    standing: dict[str, float], recent_norms: dict[str, dict[int, list[float]]] | None = None,
 ) -> None:
     state = state_payload(replica, next_step)
     state.tensors.update({STRATEGY_PREFIX + key: tensor.detach() for key, tensor in strategy_state.items()})
-    meta = json.dumps({"next_step": next_step, "run_id": run_id, "identity": identity, "standing": standing}).encode()
+    meta = json.dumps(
+        {"next_step": next_step, "run_id": run_id, "identity": identity, "standing": standing, "recent_norms": recent_norms or {}}
+    ).encode()  # floats as repr: they read back to the bit
     atomic_write(run_dir / CHECKPOINT, lambda file: write_state(file, state, meta, MAGIC))
 
 
@@ -96,7 +100,10 @@ def resume(run_dir: Path, replica: Replica, identity: dict) -> Resumed | None:
             f"{path} holds non-finite weights, so the run cannot resume from it (no site is at fault); "
             "use a new run_dir, or restore a checkpoint written before the model went non-finite"
         )
-    return Resumed(saved["next_step"], saved["run_id"], strategy_state, checked_standing(saved.get("standing", {}), path))
+    return Resumed(
+        saved["next_step"], saved["run_id"], strategy_state, checked_standing(saved.get("standing", {}), path),
+        checked_recent_norms(saved.get("recent_norms", {}), path),
+    )
 
 
 def checked_standing(saved: object, path: Path) -> dict[str, float]:
@@ -104,6 +111,23 @@ def checked_standing(saved: object, path: Path) -> dict[str, float]:
     if not (isinstance(saved, dict) and all(isinstance(k, str) and isinstance(v, (int, float)) and math.isfinite(v) for k, v in saved.items())):
         raise ValueError(f"{path} holds a malformed robust standing; use a new run_dir, or restore a good copy of it")
     return {k: float(v) for k, v in saved.items()}
+
+
+def checked_recent_norms(saved: object, path: Path) -> dict[str, dict[int, list[float]]]:
+    """The clip's history as a checkpoint holds it: site ids to phases to at most
+    ``CLIP_HISTORY_STEPS`` finite, non-negative norms."""
+    def norms_ok(norms: object) -> bool:
+        return isinstance(norms, list) and len(norms) <= CLIP_HISTORY_STEPS and all(
+            isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in norms
+        )
+
+    if not (isinstance(saved, dict) and all(
+        isinstance(site, str) and isinstance(phases, dict)
+        and all(isinstance(phase, str) and phase.isdigit() and len(phase) <= 3 and norms_ok(norms) for phase, norms in phases.items())
+        for site, phases in saved.items()
+    )):
+        raise ValueError(f"{path} holds a malformed robust clip history; use a new run_dir, or restore a good copy of it")
+    return {site: {int(phase): [float(v) for v in norms] for phase, norms in phases.items()} for site, phases in saved.items()}
 
 
 def trim_metrics(path: Path, next_step: int) -> None:

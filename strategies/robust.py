@@ -5,16 +5,26 @@ computes it from the factors). Output: s_i ∈ [0, 1]; the coordinator scales si
 by s_i (``Strategy.scale``) before aggregating, so the update is Σ_i (n_i/N) s_i g_i, N the
 samples of the sites of nonzero weight.
 
-1. **Clip** to a robust reference: with ‖g_i‖ = √G_ii and m_i the median of the *other*
-   sites' norms (with 2 sites: the other site's norm),
+1. **Clip** to a robust reference: with ‖g_i‖ = √G_ii, m_i the median of the *other*
+   sites' norms this step (with 2 sites: the other site's norm) and H_i the median, over
+   the other sites j, of Q_j, the ``CLIP_QUANTILE`` (0.9) of site j's norms in its last
+   ``CLIP_HISTORY_STEPS`` (50) committed steps (sites with ``MIN_CLIP_HISTORY`` or more;
+   0 when no other site has them yet, and without the runtime's site ids),
 
-       a_i = min(1, c · m_i / ‖g_i‖)
+       a_i = min(1, c · max(m_i, H_i) / ‖g_i‖)
 
    so no site moves the model further than c honest-sized contributions, however it
-   scales its factors; an honest spike is clipped instead of refused. With 3 or more sites
-   the median is a majority's: an attacker can neither raise its own bound nor shrink an
-   honest site's. With 2 it can shrink the other's (by sending a tiny update), never
-   enlarge its own: the price of having no majority.
+   scales its factors; an honest spike is clipped instead of refused. H_i is there because
+   honest norms become heavy-tailed once most samples are fitted: a site's batch that holds
+   one of the few misclassified samples has many times the gradient of one that does not,
+   and this step's median alone then clipped some honest site in most late steps. A site's
+   own history never sets its own bound, and a median over the others' quantiles is a
+   majority's: with 3 or more sites an attacker can neither raise its own bound nor shrink
+   an honest site's, only raise an honest site's H_i within the honest sites' range. What
+   the history costs: an attacker may send c times the honest sites' recent 0.9 quantile
+   instead of c times this step's median (``docs/robustness.md``). With 2 sites it can
+   shrink the other's (by sending a tiny update), never enlarge its own: the price of
+   having no majority.
 2. **Agree** (3 or more sites): with u_i the direction of the sum of the *other* sites'
    clipped updates, a site that pushes the model back along it by more than β times the
    median of the others' norms,
@@ -60,7 +70,8 @@ Not under differential privacy: the factors depend on every site's data, so one 
 could move a whole site's weight, a sensitivity the noise is not calibrated for (the
 coordinator turns the rule off with ``[dp]``; per-sample clipping bounds each site there).
 
-Tuning: ``standing_weight`` (λ) is how long a site's past counts (about 1 / (1 − λ) steps);
+Tuning: ``CLIP_HISTORY_STEPS`` and ``CLIP_QUANTILE`` say what an honest spike is: a site
+may send c times what the others' recent norms reached one step in ten. ``standing_weight`` (λ) is how long a site's past counts (about 1 / (1 − λ) steps);
 0 is the per-step rule. ``clip_ratio`` (c) trades how much one site can move the model (c
 honest contributions) against how often honest sites are clipped; ``agreement_margin`` (β,
 ``federation.agreement_margin``) how far a site may push back on average against how often an
@@ -74,6 +85,7 @@ norms before this runs); here they raise.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -87,6 +99,10 @@ DEFAULT_AGREEMENT_MARGIN = 0.25  # β, measured: docs/robustness.md
 # one in the directions; the step's size does not depend on it. Measured: docs/robustness.md
 BASIS_CLIP_RATIO = 1.0
 DEFAULT_STANDING_WEIGHT = 0.5  # the weight of a site's past steps in its score, measured: docs/robustness.md
+# The clip's reference from history (module text, step 1), measured: docs/robustness.md
+CLIP_HISTORY_STEPS = 50  # a site's norms kept, its last committed steps
+CLIP_QUANTILE = 0.9
+MIN_CLIP_HISTORY = 10  # a site with fewer recorded norms sets no one's reference yet
 
 
 def check_clip_ratio(value: float) -> float:
@@ -106,6 +122,7 @@ class Weights:
     disagreeing: list[int]  # sites pushing back past the margin (weight 0)
     # each site's push-back against the sites kept (units of m_i), None where agreement was not weighed
     push_backs: list[float] | None = None
+    norms: list[float] | None = None  # each site's ‖g_i‖, what its clip history records
 
     @property
     def untouched(self) -> bool:
@@ -119,10 +136,12 @@ def robust_weights(
     agreement_margin: float = DEFAULT_AGREEMENT_MARGIN,
     standing: Sequence[float] | None = None,
     standing_weight: float = DEFAULT_STANDING_WEIGHT,
+    recent_norms: Sequence[Sequence[float]] | None = None,
 ) -> Weights:
     """The rule above on the Gram matrix ``G``; ``clip_ratio`` None or 0: no clipping.
     ``standing``: each site's standing before this step (0 for a site not seen before), None:
-    the step alone decides (as ``standing_weight`` = 0)."""
+    the step alone decides (as ``standing_weight`` = 0). ``recent_norms``: each site's norms
+    in its last committed steps, oldest first (H_i); None: this step's median alone."""
     S = G.shape[0]
     if not bool(torch.isfinite(G).all()):
         raise ValueError("the sites' Gram matrix is not finite")
@@ -132,7 +151,10 @@ def robust_weights(
     norms = [math.sqrt(max(value, 0.0)) for value in G.diagonal().tolist()]
     clip = [1.0] * S
     if clip_ratio and S >= 2:
-        for i, reference in enumerate(medians_of_the_others(norms)):
+        references = medians_of_the_others(norms)
+        if recent_norms is not None:
+            references = [max(now, past) for now, past in zip(references, history_references(recent_norms))]
+        for i, reference in enumerate(references):
             if norms[i] > clip_ratio * reference:
                 clip[i] = clip_ratio * reference / norms[i]
     disagreeing: list[int] = []
@@ -155,7 +177,31 @@ def robust_weights(
             left_out = {i: _push_backs(clipped, sorted([*remaining, i]))[i] for i in disagreeing}
             push_backs = [kept.get(i, left_out.get(i, 0.0)) for i in range(S)]
     factors = [0.0 if i in disagreeing else clip[i] for i in range(S)]
-    return Weights(factors, [i for i in range(S) if clip[i] < 1.0], disagreeing, push_backs)
+    return Weights(factors, [i for i in range(S) if clip[i] < 1.0], disagreeing, push_backs, norms)
+
+
+def history_references(recent_norms: Sequence[Sequence[float]]) -> list[float]:
+    """H_i for each site (module text, step 1): the median over the other sites j of Q_j, the
+    ``CLIP_QUANTILE`` of j's recent norms, among sites with ``MIN_CLIP_HISTORY`` or more of
+    them; 0 where no other site has that many."""
+    quantiles = [recent_quantile(norms) if len(norms) >= MIN_CLIP_HISTORY else None for norms in recent_norms]
+    known = [q for q in quantiles if q is not None]
+    if not known:
+        return [0.0] * len(quantiles)
+    without_each = iter(medians_of_the_others(known) if len(known) >= 2 else [0.0])
+    everyone = statistics.median(known)  # for a site whose own history is too short: all the others'
+    return [everyone if q is None else next(without_each) for q in quantiles]
+
+
+def recent_quantile(norms: Sequence[float]) -> float:
+    """The ``CLIP_QUANTILE`` of ``norms`` (nearest rank)."""
+    ordered = sorted(norms)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(CLIP_QUANTILE * len(ordered)) - 1))]
+
+
+def recorded_norms(before: Sequence[float], norm: float) -> list[float]:
+    """A site's recent norms after a committed step with ``norm``: the last ``CLIP_HISTORY_STEPS``."""
+    return [*before, norm][-CLIP_HISTORY_STEPS:]
 
 
 def updated_standing(before: float, push_back: float, standing_weight: float = DEFAULT_STANDING_WEIGHT) -> float:

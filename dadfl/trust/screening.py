@@ -13,7 +13,7 @@ step, attempt, phase, model version, sample count). Then, over all uploads of th
 2. :meth:`Screening.weigh` — bounded influence (``strategies/robust.py``): from the Gram
    matrix of the accepted uploads' updates (inner products from the factors,
    ``strategies/gram.py``) a factor in [0, 1] per site — clipped to ``clip_ratio`` × the
-   median of the others' norms, 0 for a site that pushes the model back along the others'
+   median of the others' norms or of their recent norms' 0.9 quantiles, 0 for a site that pushes the model back along the others'
    sum by more than ``agreement_margin`` × their median norm (``agreement``) — and each
    upload scaled by its factor (``Strategy.scale``). Factors decided in a step's earlier
    phases bound the later ones', except those of a phase that only chooses a basis
@@ -56,7 +56,7 @@ from dadfl.strategies import Payload
 from dadfl.strategies.checks import ModelFacts, all_finite, check_update, finite_flags, influence_outliers
 from dadfl.strategies.gram import UnpairedForms, gram, sq_norm, sq_norms
 from dadfl.strategies.robust import (
-    BASIS_CLIP_RATIO, DEFAULT_AGREEMENT_MARGIN, DEFAULT_CLIP_RATIO, DEFAULT_STANDING_WEIGHT, robust_weights, updated_standing,
+    BASIS_CLIP_RATIO, DEFAULT_AGREEMENT_MARGIN, DEFAULT_CLIP_RATIO, DEFAULT_STANDING_WEIGHT, recorded_norms, robust_weights, updated_standing,
 )
 
 log = logging.getLogger(__name__)
@@ -152,6 +152,9 @@ class Screening:
     # Each site's standing (``robust.py``), by site id, as of the last committed step: what a
     # checkpoint keeps. Sites are enrolled identities, so it holds one float per enrolled site.
     standing: dict[str, float] = field(init=False, default_factory=dict)
+    # Each site's update norms in its last committed steps, by site id and phase (the clip's
+    # history, ``robust.py``): also what a checkpoint keeps.
+    recent_norms: dict[str, dict[int, list[float]]] = field(init=False, default_factory=dict)
     # The sites agreement zeroed in each of the last committed steps (the operator's warning).
     zeroed_recently: list[frozenset[str]] = field(init=False, default_factory=list)
     zeroed_warned_until: int = field(init=False, default=0)
@@ -257,7 +260,10 @@ class Screening:
         earlier = self.weighed if phase > 0 and self.weighed.get("step") == step else None
         standing = earlier.get("standing", self.standing) if earlier else self.standing
         before = [standing.get(site, 0.0) for site in sites] if sites is not None and agreement else None
-        weights = robust_weights(G, clip_ratio, agreement, self.agreement_margin, before, self.standing_weight)
+        recent = earlier.get("recent_norms", self.recent_norms) if earlier else self.recent_norms
+        # a phase that only chooses a basis is clipped by this step's median alone (BASIS_CLIP_RATIO)
+        history = [recent.get(site, {}).get(phase, []) for site in sites] if sites is not None and clip_ratio and not basis else None
+        weights = robust_weights(G, clip_ratio, agreement, self.agreement_margin, before, self.standing_weight, history)
         names = list(sites) if sites is not None else None
         here = _positions(earlier, names, len(payloads)) if earlier else {}  # earlier index -> this phase's
         factors = list(weights.factors)
@@ -280,6 +286,12 @@ class Screening:
                 standing.update({site: updated_standing(b, push, self.standing_weight) for site, b, push in zip(sites, before, weights.push_backs)})
             if standing is not self.standing:
                 self.weighed["standing"] = standing
+            if history is not None:
+                recent = dict(recent)
+                for site, past, norm in zip(sites, history, weights.norms):
+                    recent[site] = {**recent.get(site, {}), phase: recorded_norms(past, norm)}
+            if recent is not self.recent_norms:
+                self.weighed["recent_norms"] = recent
         # A site of weight 0 leaves the phase's aggregate and its sample count, as if it had not
         # sent: the others' mean is not diluted by it.
         kept = [(payload, factor) for payload, factor in zip(payloads, factors) if factor > 0.0]
@@ -305,6 +317,7 @@ class Screening:
         step's sites."""
         weighed = self.weighed if self.weighed.get("step") == step else {}
         self.standing = weighed.get("standing", self.standing)
+        self.recent_norms = weighed.get("recent_norms", self.recent_norms)
         if len(weighed.get("factors", ())) != len(names):
             return {}
         self._watch_zeroed(step, [names[i] for i in weighed["disagreeing"]])

@@ -10,6 +10,7 @@ import pytest
 from dadfl.metrics import read_metrics
 from dadfl.server import checkpoint
 from dadfl.server.coordinator import Coordinator
+from dadfl.strategies.robust import CLIP_HISTORY_STEPS
 from tests.helpers.network import server_config
 
 
@@ -36,6 +37,24 @@ def test_the_robust_standing_resumes_to_the_bit_and_a_malformed_one_is_refused(t
     for malformed in ({"site-a": float("nan")}, {"site-a": "0.5"}, [0.5]):
         checkpoint.save_checkpoint(config.run_dir, coordinator.replica, 3, "abc", coordinator.identity, {}, malformed)
         with pytest.raises(ValueError, match="malformed robust standing"):
+            Coordinator(config)
+
+
+def test_the_clip_history_resumes_to_the_bit_and_a_malformed_one_is_refused(tmp_path):
+    """The clip's history (``Screening.recent_norms``: each site's recent update norms by phase)
+    is coordinator state too: read back exactly, and refused unless it is site ids to phases to
+    at most CLIP_HISTORY_STEPS finite, non-negative numbers."""
+    config = server_config(tmp_path)
+    coordinator = Coordinator(config)
+    recent = {"site-a": {0: [0.1 + 0.2, 5e-324, 1e300]}, "site-b": {0: [1 / 3], 1: [2.0] * CLIP_HISTORY_STEPS}}
+    checkpoint.save_checkpoint(config.run_dir, coordinator.replica, 3, "abc", coordinator.identity, {}, {}, recent)
+    assert Coordinator(config).screening.recent_norms == recent
+    for malformed in (
+        {"site-a": {0: [float("inf")]}}, {"site-a": {0: [-1.0]}}, {"site-a": {0: [1.0] * (CLIP_HISTORY_STEPS + 1)}},
+        {"site-a": {"x": [1.0]}}, {"site-a": [1.0]}, [1.0],
+    ):
+        checkpoint.save_checkpoint(config.run_dir, coordinator.replica, 3, "abc", coordinator.identity, {}, {}, malformed)
+        with pytest.raises(ValueError, match="malformed robust clip history"):
             Coordinator(config)
 
 

@@ -10,7 +10,10 @@ from dadfl.strategies import make_strategy
 from dadfl.strategies.base import split_key
 from dadfl.strategies.gram import Dense, LowRank, UnpairedForms, gram, inner
 from dadfl.strategies.quantize import unpack
-from dadfl.strategies.robust import DEFAULT_AGREEMENT_MARGIN, robust_weights, updated_standing
+from dadfl.strategies.robust import (
+    CLIP_HISTORY_STEPS, DEFAULT_AGREEMENT_MARGIN, MIN_CLIP_HISTORY, history_references, recent_quantile, recorded_norms, robust_weights,
+    updated_standing,
+)
 from tests.strategies.test_strategy_checks import WORKLOADS, federation
 
 EXACT = {  # strategies exact at these options: their decoded update is the autograd gradient
@@ -175,6 +178,31 @@ def test_two_sites_bound_each_other_and_agreement_needs_a_majority():
     assert tiny.factors == [pytest.approx(0.04), 1.0]
 
 
+def test_an_honest_spike_within_the_others_recent_quantile_is_not_clipped_and_no_site_sets_its_own_bound():
+    G = gram_of([[1.0, 0.0], [1.0, 0.0], [1.0, 0.0], [5.0, 0.0]])  # site 3's norm 5, the others' median 1
+    usual = [1.0] * 40 + [4.0] * 10  # mostly 1, one step in five at 4: the 0.9 quantile is 4
+    assert robust_weights(G).clipped == [3]  # this step's median alone: 5 > 2 × 1
+    assert robust_weights(G, recent_norms=[usual] * 4).untouched  # 5 ≤ 2 × 4
+    # its own history never raises its bound: the others' recent quantile is 1
+    assert robust_weights(G, recent_norms=[[1.0] * 50] * 3 + [[100.0] * 50]).factors[3] == pytest.approx(2.0 / 5.0)
+    # one site's large history among the others does not move an honest site's reference (a median)
+    spike0 = gram_of([[5.0, 0.0], [1.0, 0.0], [1.0, 0.0], [1.0, 0.0]])
+    assert robust_weights(spike0, recent_norms=[[1.0] * 50, [1.0] * 50, [1.0] * 50, [1000.0] * 50]).factors[0] == pytest.approx(2.0 / 5.0)
+    # fewer than MIN_CLIP_HISTORY norms set no one's reference yet
+    assert robust_weights(G, recent_norms=[[4.0] * (MIN_CLIP_HISTORY - 1)] * 4).clipped == [3]
+
+
+def test_history_references_and_the_recorded_window():
+    assert history_references([[1.0] * 10, [2.0] * 10, [3.0] * 10, []]) == [2.5, 2.0, 1.5, 2.0]  # the last: everyone's median
+    assert history_references([[1.0] * 10, []]) == [0.0, 1.0]  # no other site has a history: 0
+    assert history_references([[], []]) == [0.0, 0.0]
+    assert recent_quantile([float(v) for v in range(1, 11)]) == 9.0  # nearest rank: the 9th of 10
+    window = []
+    for norm in range(CLIP_HISTORY_STEPS + 5):
+        window = recorded_norms(window, float(norm))
+    assert window == [float(v) for v in range(5, CLIP_HISTORY_STEPS + 5)]  # the last CLIP_HISTORY_STEPS, oldest first
+
+
 def test_a_site_with_no_update_is_not_called_disagreeing_and_off_means_off():
     assert robust_weights(gram_of([[1.0], [1.0], [0.0]])).disagreeing == []
     off = robust_weights(gram_of([[1.0], [1.0], [-100.0]]), clip_ratio=None, agreement=False)
@@ -315,7 +343,7 @@ def powersgd_sites(memory: str):
     return strategy, coordinator, sites, [site_batches(train, index, 32, seed=s) for s, index in enumerate(indices)]
 
 
-def test_the_screening_commits_a_steps_standing_once_and_a_retried_attempt_starts_from_the_committed_one():
+def test_the_screening_commits_a_steps_standing_and_norms_once_and_a_retried_attempt_starts_from_the_committed_ones():
     """Through the coordinator's screening and a real strategy's uploads: the standing measured in
     a step takes effect at ``commit``; an attempt retried before the commit reads the committed
     standing again, so it is not counted twice."""
@@ -328,13 +356,15 @@ def test_the_screening_commits_a_steps_standing_once_and_a_retried_attempt_start
     for _attempt in range(2):
         screening.refusals(0, 0, uploads, [])
         screening.message(strategy.server(coordinator.layout, coordinator.model), uploads, [], sites=names)
-        assert screening.standing == {}  # not before the commit
+        assert screening.standing == {} and screening.recent_norms == {}  # not before the commit
     record = screening.commit(0, names)
     assert set(screening.standing) == set(names) and screening.standing["d"] > max(0.0, *(screening.standing[n] for n in "abc"))
     assert record["robust_disagreeing"] == ["d"] and record["robust_standing"] == {n: round(screening.standing[n], 4) for n in names}
-    once = dict(screening.standing)
+    norms = [strategy.contribution(coordinator.layout, p, [], coordinator.model)["update"] for p in uploads]
+    assert {n: screening.recent_norms[n][0] for n in names} == {n: [pytest.approx(v, rel=1e-12)] for n, v in zip(names, norms)}
+    once, recent = dict(screening.standing), dict(screening.recent_norms)
     screening.commit(0, names)  # committing again changes nothing
-    assert screening.standing == once
+    assert screening.standing == once and screening.recent_norms == recent
 
 
 def test_untouched_weights_aggregate_the_uploads_bit_identically_and_a_zeroed_site_leaves_the_mean():
