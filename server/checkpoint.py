@@ -2,10 +2,10 @@
 
 A checkpoint holds the model and optimizer state, the server strategy half's state at
 the start of the next step, the next step to run, the run id, the robust rule's standing of
-each site and its recent update norms (the clip's history), and the identity of the run (workload, strategy, optimizer) so a restart with a
-different config is refused instead of silently mixing runs. Files are written to a
-temporary name, flushed to disk and renamed (``os.replace``), so a crash leaves either
-the old or the new checkpoint, never a torn one.
+each site and its recent update norms (the clip's history), and the identity of the run
+(workload, strategy, optimizer) so a restart with a different config is refused instead of
+silently mixing runs. Files are written to a temporary name, flushed to disk and renamed
+(``os.replace``), so a crash leaves either the old or the new checkpoint, never a torn one.
 
 The checkpoint is a state file (``protos/state_file.py``): its tensors are written from
 the replica's own memory and read back into it one chunk at a time, so a checkpoint of a

@@ -71,9 +71,10 @@ could move a whole site's weight, a sensitivity the noise is not calibrated for 
 coordinator turns the rule off with ``[dp]``; per-sample clipping bounds each site there).
 
 Tuning: ``CLIP_HISTORY_STEPS`` and ``CLIP_QUANTILE`` say what an honest spike is: a site
-may send c times what the others' recent norms reached one step in ten. ``standing_weight`` (λ) is how long a site's past counts (about 1 / (1 − λ) steps);
-0 is the per-step rule. ``clip_ratio`` (c) trades how much one site can move the model (c
-honest contributions) against how often honest sites are clipped; ``agreement_margin`` (β,
+may send c times what the others' recent norms reached one step in ten. ``standing_weight``
+(λ) is how long a site's past counts (about 1 / (1 − λ) steps); 0 is the per-step rule.
+``clip_ratio`` (c) trades how much one site can move the model (c honest contributions)
+against how often honest sites are clipped; ``agreement_margin`` (β,
 ``federation.agreement_margin``) how far a site may push back on average against how often an
 honest site is zeroed: sites whose data differ (label skew across hospitals) push back on each
 other honestly, and at β = 0.25 are zeroed in a large share of steps, so raise it there, or

@@ -13,8 +13,9 @@ step, attempt, phase, model version, sample count). Then, over all uploads of th
 2. :meth:`Screening.weigh` — bounded influence (``strategies/robust.py``): from the Gram
    matrix of the accepted uploads' updates (inner products from the factors,
    ``strategies/gram.py``) a factor in [0, 1] per site — clipped to ``clip_ratio`` × the
-   median of the others' norms or of their recent norms' 0.9 quantiles, 0 for a site that pushes the model back along the others'
-   sum by more than ``agreement_margin`` × their median norm (``agreement``) — and each
+   median of the others' norms or, when larger, of their recent norms' 0.9 quantiles, 0 for a
+   site that pushes the model back along the others' sum by more than ``agreement_margin`` ×
+   their median norm (``agreement``) — and each
    upload scaled by its factor (``Strategy.scale``). Factors decided in a step's earlier
    phases bound the later ones', except those of a phase that only chooses a basis
    (``Strategy.chooses_basis``, PowerSGD's P_s: clipped to the others' median norm, no
