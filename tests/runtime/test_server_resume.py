@@ -47,8 +47,10 @@ def test_the_clip_history_resumes_to_the_bit_and_a_malformed_one_is_refused(tmp_
     config = server_config(tmp_path)
     coordinator = Coordinator(config)
     recent = {"site-a": {0: [0.1 + 0.2, 5e-324, 1e300]}, "site-b": {0: [1 / 3], 1: [2.0] * CLIP_HISTORY_STEPS}}
-    checkpoint.save_checkpoint(config.run_dir, coordinator.replica, 3, "abc", coordinator.identity, {}, {}, recent)
-    assert Coordinator(config).screening.recent_norms == recent
+    coordinator.screening.recent_norms, coordinator.screening.standing = recent, {"site-a": 0.5}
+    coordinator._save_checkpoint()  # as the step loop checkpoints
+    resumed = Coordinator(config).screening
+    assert resumed.recent_norms == recent and resumed.standing == {"site-a": 0.5}
     for malformed in (
         {"site-a": {0: [float("inf")]}}, {"site-a": {0: [-1.0]}}, {"site-a": {0: [1.0] * (CLIP_HISTORY_STEPS + 1)}},
         {"site-a": {"x": [1.0]}}, {"site-a": [1.0]}, [1.0],
