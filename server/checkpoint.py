@@ -106,9 +106,13 @@ def resume(run_dir: Path, replica: Replica, identity: dict) -> Resumed | None:
     )
 
 
+def _finite_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
 def checked_standing(saved: object, path: Path) -> dict[str, float]:
     """The robust rule's standing as a checkpoint holds it: site ids to finite numbers."""
-    if not (isinstance(saved, dict) and all(isinstance(k, str) and isinstance(v, (int, float)) and math.isfinite(v) for k, v in saved.items())):
+    if not (isinstance(saved, dict) and all(isinstance(k, str) and _finite_number(v) for k, v in saved.items())):
         raise ValueError(f"{path} holds a malformed robust standing; use a new run_dir, or restore a good copy of it")
     return {k: float(v) for k, v in saved.items()}
 
@@ -117,9 +121,7 @@ def checked_recent_norms(saved: object, path: Path) -> dict[str, dict[int, list[
     """The clip's history as a checkpoint holds it: site ids to phases to at most
     ``CLIP_HISTORY_STEPS`` finite, non-negative norms."""
     def norms_ok(norms: object) -> bool:
-        return isinstance(norms, list) and len(norms) <= CLIP_HISTORY_STEPS and all(
-            isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in norms
-        )
+        return isinstance(norms, list) and len(norms) <= CLIP_HISTORY_STEPS and all(_finite_number(v) and v >= 0 for v in norms)
 
     if not (isinstance(saved, dict) and all(
         isinstance(site, str) and isinstance(phases, dict)
