@@ -28,8 +28,8 @@ imports and teardown (about a second of CPU per process, against well under a mi
 per step) stay outside the window. Reported: CPU per site process per step beside an echo
 client's per round, and their ratio (goal: at most ``GOAL_CPU_RATIO``); beside them a
 grpc.aio echo client's (the client stack a site runs on: one coroutine reading and writing
-the stream), which the goal's client, a blocking gRPC stream fed by a thread, undercuts;
-the coordinator's
+the stream), so that a site's CPU can be set against its own transport too (measured: no
+more than the goal's blocking client, docs/benchmarks-runtime.md); the coordinator's
 CPU (this process) per site and step beside the echo server's per client and round. The
 dadfl window is found by watching the metrics file's size every ``WATCH_S`` (a few stat
 calls a second, nothing beside the coordinator's own CPU). With more processes than cores a step can take no less than sites × CPU per site / cores, which the
