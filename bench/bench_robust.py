@@ -21,6 +21,10 @@ PowerSGD's Q):
   direction of the last message it received for the others' sum and its own norm for their
   median, follows its standing by those estimates, and keeps its estimated score below
   0.9 β (one-phase strategies whose messages are updates: dSGD, dAD, auto, FedAvg);
+- ``zero``: its upload times 0, its sample count as it is: a site that adds nothing and
+  still counts in the mean (a free rider). No rule that keeps the mean's weights can tell it
+  from a site whose batch has no signal; it slows the federation by its share of the
+  samples, the floor under what any attacker inside the rule costs at a fixed step count;
 - ``drift``: a constant tensor (drawn once per key, 10% of the first upload's mean |entry|)
   added every phase.
 
@@ -65,7 +69,7 @@ STRATEGIES = {
     "powersgd r=2": ("powersgd", {"rank": 2}),
     "fedavg H=4": ("fedavg", {"local_steps": 4}),
 }
-ATTACKS = ("clean4", "x50", "flip20", "under", "under-flip", "margin-flip", "blind-flip", "drift")
+ATTACKS = ("clean4", "x50", "flip20", "under", "under-flip", "margin-flip", "blind-flip", "zero", "drift")
 SITES, BATCH, LR, MAX_RATIO = 4, 32, 0.1, 100.0
 ATTACKER = SITES - 1
 BLIND_STRATEGIES = ("dsgd", "dad", "auto", "fedavg H=4")  # one phase, a message that is the update (blind-flip)
@@ -103,6 +107,8 @@ class Attacker:
             bad = attacked(genuine, self.roles, lambda k, t: t * -self.margin_scale(payloads, messages))
         elif self.kind == "blind-flip":
             bad = attacked(genuine, self.roles, lambda k, t: t * -self.blind_scale(genuine, messages))
+        elif self.kind == "zero":
+            bad = attacked(genuine, self.roles, lambda k, t: t * 0)
         elif self.kind == "drift":
             def add(key, tensor):
                 if key not in self.drift or self.drift[key].shape != tensor.shape:
