@@ -15,8 +15,8 @@ PowerSGD's Q):
 - ``under``: scaled to 0.99 × the influence bound (100 × the others' median norm), the
   largest the refusal rule accepts; ``under-flip``: the same, sign flipped;
 - ``margin-flip``: its genuine upload negated and scaled as far (up to 20×) as the agreement
-  rule keeps it at a weight above 0, the attacker knowing every site's upload and its own
-  standing and the clip's history: the attacker just inside the agreement rule;
+  rule keeps it at a weight above 0, the attacker knowing every site's upload and standing
+  and the clip's history: the attacker just inside the agreement rule;
 - ``blind-flip``: the same without seeing the others' uploads: the attacker takes the
   direction of the last message it received for the others' sum and its own norm for their
   median, follows its standing by those estimates, and keeps its estimated score below
@@ -122,7 +122,7 @@ class Attacker:
 
     def margin_scale(self, payloads: list, messages: list) -> float:
         """The largest s <= 20 at which −s × the genuine upload is not zeroed by agreement, the
-        attacker knowing every upload, its own standing and the clip's history (bisection on the
+        attacker knowing every upload, every site's standing and the clip's history (bisection on the
         rule itself: scaling the factors scales the update, so G_s = D G D with D = diag(1, ..., 1, −s))."""
         step, phase = payloads[0].step, payloads[0].phase
         if not self.strategy.uploads_agree(step, phase):
@@ -147,7 +147,6 @@ class Attacker:
             middle = (low + high) / 2
             low, high = (middle, high) if kept(middle) else (low, middle)
         return low
-
 
     def blind_scale(self, genuine, messages: list) -> float:
         """The largest s <= 20 whose estimated score stays below 0.9 β: push-back estimated as
