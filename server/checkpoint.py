@@ -125,7 +125,7 @@ def checked_recent_norms(saved: object, path: Path) -> dict[str, dict[int, list[
 
     if not (isinstance(saved, dict) and all(
         isinstance(site, str) and isinstance(phases, dict)
-        and all(isinstance(phase, str) and phase.isdigit() and len(phase) <= 3 and norms_ok(norms) for phase, norms in phases.items())
+        and all(isinstance(phase, str) and phase.isascii() and phase.isdigit() and len(phase) <= 3 and norms_ok(norms) for phase, norms in phases.items())
         for site, phases in saved.items()
     )):
         raise ValueError(f"{path} holds a malformed robust clip history; use a new run_dir, or restore a good copy of it")

@@ -53,7 +53,7 @@ def test_the_clip_history_resumes_to_the_bit_and_a_malformed_one_is_refused(tmp_
     assert resumed.recent_norms == recent and resumed.standing == {"site-a": 0.5}
     for malformed in (
         {"site-a": {0: [float("inf")]}}, {"site-a": {0: [-1.0]}}, {"site-a": {0: [1.0] * (CLIP_HISTORY_STEPS + 1)}},
-        {"site-a": {"x": [1.0]}}, {"site-a": [1.0]}, [1.0],
+        {"site-a": {"x": [1.0]}}, {"site-a": {"²": [1.0]}}, {"site-a": [1.0]}, [1.0],
     ):
         checkpoint.save_checkpoint(config.run_dir, coordinator.replica, 3, "abc", coordinator.identity, {}, {}, malformed)
         with pytest.raises(ValueError, match="malformed robust clip history"):
