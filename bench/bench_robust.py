@@ -15,16 +15,22 @@ PowerSGD's Q):
 - ``under``: scaled to 0.99 × the influence bound (100 × the others' median norm), the
   largest the refusal rule accepts; ``under-flip``: the same, sign flipped;
 - ``margin-flip``: its genuine upload negated and scaled as far (up to 20×) as the agreement
-  rule keeps it at a weight above 0, the attacker knowing every site's upload and standing
-  and the clip's history: the attacker just inside the agreement rule;
+  rule keeps it at a weight above 0, or, where even 0 is not kept, sent forward (up to 1×)
+  as little as keeps it: the attacker knowing every site's upload, both standings of every
+  site and the clip's history, just inside the agreement rule;
 - ``blind-flip``: the same without seeing the others' uploads: the attacker takes the
   direction of the last message it received for the others' sum and its own norm for their
-  median, follows its standing by those estimates, and keeps its estimated score below
-  0.9 β (one-phase strategies whose messages are updates: dSGD, dAD, auto, FedAvg);
-- ``zero``: its upload times 0, its sample count as it is: a site that adds nothing and
-  still counts in the mean (a free rider). No rule that keeps the mean's weights can tell it
-  from a site whose batch has no signal; it slows the federation by its share of the
-  samples, the floor under what any attacker inside the rule costs at a fixed step count;
+  median, estimates its standing and its peers' from those, and keeps its estimated score
+  below its estimated bound less 0.1 β (one-phase strategies whose messages are updates:
+  dSGD, dAD, auto, FedAvg);
+- ``ortho``: across the others' sum: its genuine gradient's part orthogonal to the honest
+  sites' sum, negated, at the clip's bound, turned towards that sum only as far as agreement
+  needs to keep it (knowing every upload, standing and the clip's history; dSGD, whose upload
+  can be any vector). Agreement measures a site along the others' sum only, so this is what
+  a site inside the rule can still do (``docs/robustness.md``);
+- ``zero``: its upload times 0, its sample count as it is: a site that adds nothing (a free
+  rider), which would slow the federation by its share of the samples if it stayed in the
+  mean; it pushes back by 0, more than honest peers do among themselves on IID data;
 - ``drift``: a constant tensor (drawn once per key, 10% of the first upload's mean |entry|)
   added every phase.
 
@@ -47,6 +53,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -58,7 +65,7 @@ from dadfl.strategies import make_strategy
 from dadfl.strategies.base import split_key
 from dadfl.strategies.checks import medians_of_the_others
 from dadfl.strategies.gram import gram
-from dadfl.strategies.robust import DEFAULT_CLIP_RATIO, robust_weights
+from dadfl.strategies.robust import DEFAULT_CLIP_RATIO, history_references, robust_weights
 from dadfl.workloads import load_workload, partition, site_batches
 
 STRATEGIES = {
@@ -69,10 +76,11 @@ STRATEGIES = {
     "powersgd r=2": ("powersgd", {"rank": 2}),
     "fedavg H=4": ("fedavg", {"local_steps": 4}),
 }
-ATTACKS = ("clean4", "x50", "flip20", "under", "under-flip", "margin-flip", "blind-flip", "zero", "drift")
+ATTACKS = ("clean4", "x50", "flip20", "under", "under-flip", "margin-flip", "blind-flip", "ortho", "zero", "drift")
 SITES, BATCH, LR, MAX_RATIO = 4, 32, 0.1, 100.0
 ATTACKER = SITES - 1
 BLIND_STRATEGIES = ("dsgd", "dad", "auto", "fedavg H=4")  # one phase, a message that is the update (blind-flip)
+ORTHO_STRATEGIES = ("dsgd",)  # uploads that are the dense gradient: any vector can be sent (ortho)
 PARTITION = {"scheme": "iid", "alpha": 0.5}  # how the training set is split (the command line's --partition, --alpha)
 RULE: dict = {}  # the agreement rule's margin and standing weight where the command line sets them
 
@@ -89,6 +97,7 @@ class Attacker:
         self.drift: dict[str, torch.Tensor] = {}
         self.last_message = None  # blind-flip: the last step's message, as every site receives it
         self.estimated_standing = 0.0  # blind-flip: its standing as it estimates it
+        self.estimated_peers = 0.0  # blind-flip: its peers' standing as it estimates it
 
     def __call__(self, payloads: list, messages: list) -> list:
         genuine = payloads[ATTACKER]
@@ -107,6 +116,8 @@ class Attacker:
             bad = attacked(genuine, self.roles, lambda k, t: t * -self.margin_scale(payloads, messages))
         elif self.kind == "blind-flip":
             bad = attacked(genuine, self.roles, lambda k, t: t * -self.blind_scale(genuine, messages))
+        elif self.kind == "ortho":
+            bad = self.orthogonal(payloads, messages)
         elif self.kind == "zero":
             bad = attacked(genuine, self.roles, lambda k, t: t * 0)
         elif self.kind == "drift":
@@ -121,7 +132,7 @@ class Attacker:
         return [*payloads[:ATTACKER], bad]
 
     def margin_scale(self, payloads: list, messages: list) -> float:
-        """The largest s <= 20 at which −s × the genuine upload is not zeroed by agreement, the
+        """The largest s in [−1, 20] at which −s × the genuine upload is not zeroed by agreement, the
         attacker knowing every upload, every site's standing and the clip's history (bisection on the
         rule itself: scaling the factors scales the update, so G_s = D G D with D = diag(1, ..., 1, −s))."""
         step, phase = payloads[0].step, payloads[0].phase
@@ -131,35 +142,84 @@ class Attacker:
         G = gram([self.strategy.terms(layout, p, messages, model)[0] for p in payloads])
         standing = [self.screening.standing.get(str(i), 0.0) for i in range(len(payloads))] if self.standing else None
         history = [self.screening.recent_norms.get(str(i), {}).get(phase, []) for i in range(len(payloads))] if self.standing else None
-
+        peers = [self.screening.peer_standing.get(str(i), 0.0) for i in range(len(payloads))] if self.standing else None
         rule = self.screening
 
         def kept(scale: float) -> bool:
             d = torch.ones(len(payloads), dtype=torch.float64)
             d[ATTACKER] = -scale
-            weights = robust_weights(G * torch.outer(d, d), rule.clip_ratio, True, rule.agreement_margin, standing, rule.standing_weight, history)
+            weights = robust_weights(G * torch.outer(d, d), rule.clip_ratio, True, rule.agreement_margin, standing, rule.standing_weight, history, peers)
             return ATTACKER not in weights.disagreeing
 
         if kept(20.0):
             return 20.0
-        low, high = 0.0, 20.0
+        low, high = -1.0, 20.0
         for _ in range(30):
             middle = (low + high) / 2
             low, high = (middle, high) if kept(middle) else (low, middle)
         return low
 
+    def orthogonal(self, payloads: list, messages: list):
+        """Its genuine gradient negated, with the part along the others' sum replaced by just enough
+        pull forward to be kept: v = L (cos θ · (−ĝ⊥) + sin θ · û), û the direction of the honest
+        sites' sum, ĝ⊥ that of its own gradient's part orthogonal to it, L the clip's bound (with the
+        clip's history), θ the smallest that agreement keeps (bisection on the rule itself; dense
+        uploads: dSGD)."""
+        genuine = payloads[ATTACKER]
+        keys = list(genuine.tensors)
+        flat = lambda p: torch.cat([p.tensors[k].reshape(-1).double() for k in keys])
+        own, others = flat(genuine), sum(flat(p) for p in payloads[:ATTACKER])
+        forward = others / others.norm()
+        across = -(own - (own @ forward) * forward)
+        across = across / across.norm()
+        phase = genuine.phase
+        layout, model, rule = self.screening.replica.layout, self.screening.replica.model, self.screening
+        history = [rule.recent_norms.get(str(i), {}).get(phase, []) for i in range(len(payloads))]
+        standing = [rule.standing.get(str(i), 0.0) for i in range(len(payloads))]
+        peers = [rule.peer_standing.get(str(i), 0.0) for i in range(len(payloads))]
+        honest_terms = [self.strategy.terms(layout, p, messages, model)[0] for p in payloads[:ATTACKER]]
+        honest_norms = [float(flat(p).norm()) for p in payloads[:ATTACKER]]
+        length = rule.clip_ratio * max(statistics.median(honest_norms), history_references(history)[ATTACKER])
+
+        def upload(theta: float):
+            vector = length * (math.cos(theta) * across + math.sin(theta) * forward)
+            tensors, offset = {}, 0
+            for k in keys:
+                t = genuine.tensors[k]
+                tensors[k] = vector[offset:offset + t.numel()].reshape(t.shape).to(t.dtype)
+                offset += t.numel()
+            return type(genuine)(genuine.step, genuine.phase, genuine.num_samples, tensors)
+
+        def kept(theta: float) -> bool:
+            G = gram([*honest_terms, self.strategy.terms(layout, upload(theta), messages, model)[0]])
+            weights = robust_weights(G, rule.clip_ratio, True, rule.agreement_margin, standing, rule.standing_weight, history, peers)
+            return ATTACKER not in weights.disagreeing
+
+        low, high = 0.0, math.pi / 2
+        if kept(low):
+            return upload(low)
+        for _ in range(20):
+            middle = (low + high) / 2
+            low, high = (low, middle) if kept(middle) else (middle, high)
+        return upload(high)
+
     def blind_scale(self, genuine, messages: list) -> float:
-        """The largest s <= 20 whose estimated score stays below 0.9 β: push-back estimated as
-        s · ‖g‖ (at most c · ‖g‖) times the cosine of its genuine update with the last message."""
+        """The largest s in [−1, 20] whose estimated score stays below its estimated bound: push-back
+        estimated as s · ‖g‖ (at most c · ‖g‖) times the cosine of its genuine update with the last
+        message; the peers' standing as the average of the push-back its genuine update would have
+        there (−cosine), the bound that plus 0.9 β. Below 0 it sends its gradient forward, to
+        earn the standing it spends."""
         if self.last_message is None:
             return 0.0  # nothing to estimate from yet: send nothing
         layout, model, rule = self.screening.replica.layout, self.screening.replica.model, self.screening
         own, last = self.strategy.terms(layout, genuine, messages, model)[0], self.strategy.terms(layout, self.last_message, [], model)[0]
         G = gram([own, last])
         norm, cosine = math.sqrt(G[0, 0]), float(G[0, 1] / math.sqrt(G[0, 0] * G[1, 1])) if G[0, 0] * G[1, 1] > 0 else 0.0
-        weight, limit = rule.standing_weight, 0.9 * rule.agreement_margin
+        weight = rule.standing_weight
+        self.estimated_peers = weight * self.estimated_peers + (1 - weight) * -cosine
+        limit = self.estimated_peers + 0.9 * rule.agreement_margin
         scale = 20.0 if cosine <= 0 else min(20.0, (limit - weight * self.estimated_standing) / ((1 - weight) * cosine))
-        scale = max(scale, 0.0)
+        scale = max(scale, -1.0)
         push = min(scale, rule.clip_ratio) * cosine if norm else 0.0  # a clipped site sends c · ‖g‖ at most
         self.estimated_standing = weight * self.estimated_standing + (1 - weight) * push
         return scale
@@ -247,8 +307,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
-    parser.add_argument(  # blind-flip serves some strategies only: asked for by name
-        "--attacks", nargs="+", default=[a for a in ATTACKS if a != "blind-flip"], choices=list(ATTACKS)
+    parser.add_argument(  # blind-flip and ortho serve some strategies only: asked for by name
+        "--attacks", nargs="+", default=[a for a in ATTACKS if a not in ("blind-flip", "ortho")], choices=list(ATTACKS)
     )
     parser.add_argument("--clip-ratio", type=float, default=DEFAULT_CLIP_RATIO)
     parser.add_argument("--no-agreement", action="store_true")
@@ -263,6 +323,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     unsupported = [label for label in args.strategies if label not in BLIND_STRATEGIES]
     if "blind-flip" in args.attacks and unsupported:
         parser.error(f"blind-flip estimates from the last message, which is no update for {', '.join(unsupported)}; drop them or the attack")
+    unsupported = [label for label in args.strategies if label not in ORTHO_STRATEGIES]
+    if "ortho" in args.attacks and unsupported:
+        parser.error(f"ortho sends a vector of its choosing, which {', '.join(unsupported)} cannot carry; drop them or the attack")
     clip, agreement = (None, False) if args.off else (args.clip_ratio, not args.no_agreement)
     torch.set_num_threads(1)
     PARTITION.update(scheme=args.partition, alpha=args.alpha)

@@ -37,12 +37,13 @@ class FederationConfig(StrictModel):
     )
     agreement: bool = Field(
         True, description="bounded influence, 3 or more sites: a site whose push-back on the model along the other sites' "
-        "summed update, averaged with its recent steps', reaches agreement_margin x their median norm gets weight 0 for "
-        "the step (docs/robustness.md)"
+        "summed update, averaged over its recent steps, exceeds what the other sites push back on each other by "
+        "agreement_margin x their median norm gets weight 0 for the step (docs/robustness.md)"
     )
     agreement_margin: float = Field(
-        DEFAULT_AGREEMENT_MARGIN, ge=0, le=10, description="the push-back (in median norms) at which agreement zeroes a "
-        "site; raise it where sites' data differ much (non-IID sites push back on each other honestly: docs/robustness.md)"
+        DEFAULT_AGREEMENT_MARGIN, ge=0, le=10, description="how much more a site may push back (in median norms) than "
+        "the other sites do on each other; raise it where one site's data differ much from all the others' (non-IID sites "
+        "push back honestly: docs/robustness.md)"
     )
     quarantine_after: int = Field(
         3, ge=1, description="refused uploads after which a site is quarantined for the run (run_dir/quarantine.json; "

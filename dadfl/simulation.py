@@ -126,7 +126,7 @@ class SimulationConfig(StrictModel):
     )
     agreement: bool = Field(True, description="bounded influence: weight 0 for a site against the majority (federation.agreement)")
     agreement_margin: float = Field(
-        DEFAULT_AGREEMENT_MARGIN, ge=0, le=10, description="the push-back at which agreement zeroes a site (federation.agreement_margin)"
+        DEFAULT_AGREEMENT_MARGIN, ge=0, le=10, description="how much more than its peers a site may push back (federation.agreement_margin)"
     )
     phase_timeout_s: float = Field(60.0, gt=0, description="--mode processes: how long the coordinator waits for a site's "
                                    "payload (federation.phase_timeout_s); raise it for a large model on a busy CPU")

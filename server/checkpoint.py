@@ -1,8 +1,8 @@
 """``dadfl.server.checkpoint`` — atomic checkpoints of the coordinator's replica, and resuming from them.
 
 A checkpoint holds the model and optimizer state, the server strategy half's state at
-the start of the next step, the next step to run, the run id, the robust rule's standing of
-each site and its recent update norms (the clip's history), and the identity of the run
+the start of the next step, the next step to run, the run id, the robust rule's standings of
+each site (its own and its peers') and its recent update norms (the clip's history), and the identity of the run
 (workload, strategy, optimizer) so a restart with a different config is refused instead of
 silently mixing runs. Files are written to a temporary name, flushed to disk and renamed
 (``os.replace``), so a crash leaves either the old or the new checkpoint, never a torn one.
@@ -46,6 +46,7 @@ class Resumed:
     run_id: str
     strategy_state: dict[str, torch.Tensor] | None  # None: a checkpoint written before states were kept
     standing: dict[str, float]  # the robust rule's standing by site id (``Screening.standing``)
+    peer_standing: dict[str, float]  # and its peers' standing (``Screening.peer_standing``)
     recent_norms: dict[str, dict[int, list[float]]]  # the clip's history by site id and phase (``Screening.recent_norms``)
 
 
@@ -61,12 +62,15 @@ def atomic_write(path: Path, write) -> None:
 
 def save_checkpoint(
     run_dir: Path, replica: Replica, next_step: int, run_id: str, identity: dict, strategy_state: dict[str, torch.Tensor],
-    standing: dict[str, float], recent_norms: dict[str, dict[int, list[float]]] | None = None,
+    standing: dict[str, float], recent_norms: dict[str, dict[int, list[float]]] | None = None, peer_standing: dict[str, float] | None = None,
 ) -> None:
     state = state_payload(replica, next_step)
     state.tensors.update({STRATEGY_PREFIX + key: tensor.detach() for key, tensor in strategy_state.items()})
     meta = json.dumps(
-        {"next_step": next_step, "run_id": run_id, "identity": identity, "standing": standing, "recent_norms": recent_norms or {}}
+        {
+            "next_step": next_step, "run_id": run_id, "identity": identity, "standing": standing, "recent_norms": recent_norms or {},
+            "peer_standing": peer_standing or {},
+        }
     ).encode()  # floats as repr: they read back to the bit
     atomic_write(run_dir / CHECKPOINT, lambda file: write_state(file, state, meta, MAGIC))
 
@@ -102,7 +106,7 @@ def resume(run_dir: Path, replica: Replica, identity: dict) -> Resumed | None:
         )
     return Resumed(
         saved["next_step"], saved["run_id"], strategy_state, checked_standing(saved.get("standing", {}), path),
-        checked_recent_norms(saved.get("recent_norms", {}), path),
+        checked_standing(saved.get("peer_standing", {}), path), checked_recent_norms(saved.get("recent_norms", {}), path),
     )
 
 

@@ -115,6 +115,7 @@ class Coordinator(Admission, SiteStreams, PhaseUploads, StepLoop, cpb_grpc.Coord
         self.run_id = resumed.run_id if resumed else uuid.uuid4().hex[:12]
         if resumed:
             self.screening.standing, self.screening.recent_norms = resumed.standing, resumed.recent_norms
+            self.screening.peer_standing = resumed.peer_standing
             log.info("resuming run %s at step %d from %s", self.run_id, self.step, self.run_dir / checkpoint.CHECKPOINT)
         checkpoint.trim_metrics(self.run_dir / "metrics.jsonl", self.step)
         self.fingerprint = weights_fingerprint(self.replica.model)

@@ -14,8 +14,9 @@ step, attempt, phase, model version, sample count). Then, over all uploads of th
    matrix of the accepted uploads' updates (inner products from the factors,
    ``strategies/gram.py``) a factor in [0, 1] per site — clipped to ``clip_ratio`` × the
    median of the others' norms or, when larger, of their recent norms' 0.9 quantiles, 0 for a
-   site that pushes the model back along the others' sum by more than ``agreement_margin`` ×
-   their median norm (``agreement``) — and each
+   site that pushes the model back along the others' sum, on average over its recent steps,
+   by ``agreement_margin`` × their median norm more than the other sites do among themselves
+   (``agreement``) — and each
    upload scaled by its factor (``Strategy.scale``). Factors decided in a step's earlier
    phases bound the later ones', except those of a phase that only chooses a basis
    (``Strategy.chooses_basis``, PowerSGD's P_s: clipped to the others' median norm, no
@@ -150,9 +151,10 @@ class Screening:
     # ``refusals`` measures them, ``weigh`` and the trials of ``breaking`` reuse them (edAD
     # recomputes its hidden deltas for them).
     measured: dict = field(init=False, default_factory=dict)
-    # Each site's standing (``robust.py``), by site id, as of the last committed step: what a
-    # checkpoint keeps. Sites are enrolled identities, so it holds one float per enrolled site.
+    # Each site's standing and its peers' (``robust.py``), by site id, as of the last committed
+    # step: what a checkpoint keeps. Sites are enrolled identities: one float per enrolled site each.
     standing: dict[str, float] = field(init=False, default_factory=dict)
+    peer_standing: dict[str, float] = field(init=False, default_factory=dict)
     # Each site's update norms in its last committed steps, by site id and phase (the clip's
     # history, ``robust.py``): also what a checkpoint keeps.
     recent_norms: dict[str, dict[int, list[float]]] = field(init=False, default_factory=dict)
@@ -260,11 +262,13 @@ class Screening:
         clip_ratio = min(self.clip_ratio, BASIS_CLIP_RATIO) if basis and self.clip_ratio else self.clip_ratio
         earlier = self.weighed if phase > 0 and self.weighed.get("step") == step else None
         standing = earlier.get("standing", self.standing) if earlier else self.standing
+        peer_standing = earlier.get("peer_standing", self.peer_standing) if earlier else self.peer_standing
         before = [standing.get(site, 0.0) for site in sites] if sites is not None and agreement else None
+        peers_before = [peer_standing.get(site, 0.0) for site in sites] if before is not None else None
         recent = earlier.get("recent_norms", self.recent_norms) if earlier else self.recent_norms
         # a phase that only chooses a basis is clipped by this step's median alone (BASIS_CLIP_RATIO)
         history = [recent.get(site, {}).get(phase, []) for site in sites] if sites is not None and clip_ratio and not basis else None
-        weights = robust_weights(G, clip_ratio, agreement, self.agreement_margin, before, self.standing_weight, history)
+        weights = robust_weights(G, clip_ratio, agreement, self.agreement_margin, before, self.standing_weight, history, peers_before)
         names = list(sites) if sites is not None else None
         here = _positions(earlier, names, len(payloads)) if earlier else {}  # earlier index -> this phase's
         factors = list(weights.factors)
@@ -283,10 +287,16 @@ class Screening:
                 "disagreeing": sorted(disagreeing), "basis_clipped": sorted(basis_clipped),
             }
             if before is not None and weights.push_backs is not None:
-                standing = dict(standing)
+                standing, peer_standing = dict(standing), dict(peer_standing)
                 standing.update({site: updated_standing(b, push, self.standing_weight) for site, b, push in zip(sites, before, weights.push_backs)})
+                peer_standing.update({
+                    site: updated_standing(b, push, self.standing_weight)
+                    for site, b, push in zip(sites, peers_before, weights.peer_push_backs) if push is not None
+                })
             if standing is not self.standing:
                 self.weighed["standing"] = standing
+            if peer_standing is not self.peer_standing:
+                self.weighed["peer_standing"] = peer_standing
             if history is not None:
                 recent = dict(recent)
                 for site, past, norm in zip(sites, history, weights.norms):
@@ -318,6 +328,7 @@ class Screening:
         step's sites."""
         weighed = self.weighed if self.weighed.get("step") == step else {}
         self.standing = weighed.get("standing", self.standing)
+        self.peer_standing = weighed.get("peer_standing", self.peer_standing)
         self.recent_norms = weighed.get("recent_norms", self.recent_norms)
         if len(weighed.get("factors", ())) != len(names):
             return {}
@@ -328,11 +339,13 @@ class Screening:
             "robust_disagreeing": [names[i] for i in weighed["disagreeing"]],
             "robust_basis_clipped": [names[i] for i in weighed.get("basis_clipped", ())],
             **({"robust_standing": {name: round(self.standing[name], 4) for name in names if name in self.standing}} if "standing" in weighed else {}),
+            **({"robust_peer_standing": {name: round(self.peer_standing[name], 4) for name in names if name in self.peer_standing}}
+               if "peer_standing" in weighed else {}),
         }
 
     def _watch_zeroed(self, step: int, zeroed: Sequence[str]) -> None:
         """Tell the operator, once per window, of a site that agreement zeroed in a large share of
-        the last ``ZEROED_WINDOW`` committed steps: an attacker, or a site whose data differ from
+        the last ``ZEROED_WINDOW`` committed steps: an attacker, a free rider, or a site whose data differ from
         the others' (an honest hospital with other patients pushes back on the others too). The
         log names the site, never a value of its data."""
         self.zeroed_recently.append(frozenset(zeroed))
@@ -343,8 +356,8 @@ class Screening:
         often = sorted(site for site, count in counts.items() if count >= ZEROED_WARN_SHARE * ZEROED_WINDOW)
         if often:
             log.warning(
-                "agreement gave %s weight 0 in %s of the last %d steps: a site that pushes the model back, or one whose data "
-                "differ from the others' (label skew pushes back honestly); if the sites' data differ, raise "
+                "agreement gave %s weight 0 in %s of the last %d steps: a site that pushes the model back or adds nothing, or one "
+                "whose data differ from the others' (label skew pushes back honestly); if the sites' data differ, raise "
                 "federation.agreement_margin or set federation.agreement = false (docs/robustness.md)",
                 ", ".join(printable(site) for site in often), ", ".join(str(counts[site]) for site in often), ZEROED_WINDOW,
             )

@@ -24,18 +24,23 @@ def test_resume_refuses_a_checkpoint_of_a_different_run(tmp_path):
         Coordinator(other)
 
 
-def test_the_robust_standing_resumes_to_the_bit_and_a_malformed_one_is_refused(tmp_path):
-    """The robust rule's standing of each site (``Screening.standing``) is coordinator state: a
-    restarted coordinator reads it back exactly, and refuses a checkpoint whose standing is not
-    site ids to finite numbers."""
+def test_the_robust_standings_resume_to_the_bit_and_a_malformed_one_is_refused(tmp_path):
+    """The robust rule's standing of each site and its peers' (``Screening.standing``,
+    ``Screening.peer_standing``) are coordinator state: a restarted coordinator reads them back
+    exactly, and refuses a checkpoint whose standings are not site ids to finite numbers."""
     config = server_config(tmp_path, federation={"agreement_margin": 0.5})
     coordinator = Coordinator(config)
     assert coordinator.screening.agreement_margin == 0.5  # the configured margin is the rule's
     standing = {"site-a": 0.1 + 0.2, "site-b": -1 / 3, "site-c": 5e-324}
-    checkpoint.save_checkpoint(config.run_dir, coordinator.replica, 3, "abc", coordinator.identity, {}, standing)
-    assert Coordinator(config).screening.standing == standing
+    peers = {"site-a": -0.7 / 3, "site-b": 1e-300}
+    checkpoint.save_checkpoint(config.run_dir, coordinator.replica, 3, "abc", coordinator.identity, {}, standing, None, peers)
+    resumed = Coordinator(config).screening
+    assert resumed.standing == standing and resumed.peer_standing == peers
     for malformed in ({"site-a": float("nan")}, {"site-a": "0.5"}, [0.5]):
         checkpoint.save_checkpoint(config.run_dir, coordinator.replica, 3, "abc", coordinator.identity, {}, malformed)
+        with pytest.raises(ValueError, match="malformed robust standing"):
+            Coordinator(config)
+        checkpoint.save_checkpoint(config.run_dir, coordinator.replica, 3, "abc", coordinator.identity, {}, standing, None, malformed)
         with pytest.raises(ValueError, match="malformed robust standing"):
             Coordinator(config)
 

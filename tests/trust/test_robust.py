@@ -3,6 +3,8 @@ upload, and the robust rule (clip to c × the others' median, zero a site agains
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 import torch
 
@@ -203,8 +205,10 @@ def test_history_references_and_the_recorded_window():
     assert window == [float(v) for v in range(5, CLIP_HISTORY_STEPS + 5)]  # the last CLIP_HISTORY_STEPS, oldest first
 
 
-def test_a_site_with_no_update_is_not_called_disagreeing_and_off_means_off():
-    assert robust_weights(gram_of([[1.0], [1.0], [0.0]])).disagreeing == []
+def test_a_site_with_no_update_leaves_the_mean_where_its_peers_pull_forward_and_off_means_off():
+    # a free rider pushes back by 0; its peers pull each other forward by 1 (units of m): 0 ≥ −1 + β
+    assert robust_weights(gram_of([[1.0], [1.0], [0.0]])).disagreeing == [2]
+    assert robust_weights(gram_of([[1.0], [1.0], [0.0]]), standing=[-1.0, -1.0, 0.0], peer_standing=[-1.0] * 3).disagreeing == [2]
     off = robust_weights(gram_of([[1.0], [1.0], [-100.0]]), clip_ratio=None, agreement=False)
     assert off.factors == [1.0, 1.0, 1.0]
     with pytest.raises(ValueError, match="not finite"):
@@ -266,38 +270,49 @@ def test_an_attacker_flipped_at_the_clip_bound_gets_weight_zero_and_the_honest_k
     assert weights.factors == [1.0, 1.0, 1.0, 0.0]
 
 
-def test_a_site_pushing_back_past_the_margin_is_zeroed_and_one_within_it_is_not():
-    base = [[1.0, 0.0], [1.0, 0.0], [1.0, 0.0]]  # the others' sum along e_0, their norms 1
-    for push, zeroed in ((0.9 * DEFAULT_AGREEMENT_MARGIN, []), (1.1 * DEFAULT_AGREEMENT_MARGIN, [3])):
+def test_a_site_pushing_back_past_its_peers_by_the_margin_is_zeroed_and_one_within_it_is_not():
+    base = [[1.0, 0.0], [1.0, 0.0], [1.0, 0.0]]  # the others' sum along e_0, their norms 1: they push back by −1 on each other
+    assert all(push_back(gram_of(base), i, [0, 1, 2]) == pytest.approx(-1.0) for i in range(3))
+    for push, zeroed in ((-1.0 + 0.9 * DEFAULT_AGREEMENT_MARGIN, []), (-1.0 + 1.1 * DEFAULT_AGREEMENT_MARGIN, [3])):
         site = [-push, (1.0 - push**2) ** 0.5]  # unit norm, −push along the others' direction
         weights = robust_weights(gram_of([*base, site]))
         assert weights.disagreeing == zeroed and weights.clipped == []
-    assert robust_weights(gram_of([*base, [-0.2, 0.98]]), agreement_margin=0.1).disagreeing == [3]  # the margin is β
+    # the margin is β, the bound the peers' standing plus β
+    assert robust_weights(gram_of([*base, [0.85, 0.53]]), agreement_margin=0.1).disagreeing == [3]
+    orthogonal = gram_of([*base, [0.0, 1.0]])  # pushes nowhere: within β of peers that push back by −0.1 on average
+    assert robust_weights(orthogonal, standing=[-0.3, -0.3, -0.3, 0.0], peer_standing=[-0.1] * 4).disagreeing == []
+    assert robust_weights(orthogonal, standing=[-0.3, -0.3, -0.3, 0.0], peer_standing=[-0.3] * 4).disagreeing == [3]
 
 
 def test_standing_zeroes_a_site_that_pushed_back_before_and_spares_one_that_pulled_forward():
     base = [[1.0, 0.0], [1.0, 0.0], [1.0, 0.0]]  # the others' sum along e_0, their norms 1
+    peers = [-0.3] * 4  # the peers pull each other forward by 0.3 m on average: the bound is −0.3 + β = −0.1
     orthogonal = gram_of([*base, [0.0, 1.0]])  # pushes nowhere this step
-    assert robust_weights(orthogonal, standing=[0.0] * 4).disagreeing == []
-    # a site that pushed back by 0.6 m on average: 0.5 · 0.6 + 0.5 · 0 ≥ β
-    assert robust_weights(orthogonal, standing=[0.0, 0.0, 0.0, 0.6]).disagreeing == [3]
-    spike = gram_of([*base, [-0.4, (1 - 0.16) ** 0.5]])  # pushes back by 0.4 m this step: past β alone
+    assert robust_weights(orthogonal, standing=[-0.3] * 4, peer_standing=peers).disagreeing == []  # 0.9 · (−0.3) + 0.1 · 0
+    # a site that pushed back by 0.1 m on average: 0.9 · 0.1 + 0.1 · 0 ≥ −0.1
+    assert robust_weights(orthogonal, standing=[-0.3, -0.3, -0.3, 0.1], peer_standing=peers).disagreeing == [3]
+    spike = gram_of([*base, [-0.4, (1 - 0.16) ** 0.5]])  # pushes back by 0.4 m this step: past the step's peers (−1) + β
     assert robust_weights(spike).disagreeing == [3]
-    # a site that pulled forward (−0.3 m) before: 0.5 · (−0.3) + 0.5 · 0.4 < β
-    assert robust_weights(spike, standing=[-0.3, -0.3, -0.3, -0.3]).disagreeing == []
-    assert robust_weights(spike, standing=[-0.3] * 4, standing_weight=0.0).disagreeing == [3]  # λ = 0: the step alone
+    # a site that pulled forward (−0.3 m) before: 0.9 · (−0.3) + 0.1 · 0.4 < −0.1
+    assert robust_weights(spike, standing=[-0.3] * 4, peer_standing=peers).disagreeing == []
+    assert robust_weights(spike, standing=[-0.3] * 4, peer_standing=peers, standing_weight=0.0).disagreeing == [3]  # λ = 0: the step alone
 
 
 def test_push_backs_are_measured_against_the_sites_kept_and_the_standing_follows_them():
     honest = NOISY_HONEST[:3]
     mean = [sum(column) / 3 for column in zip(*honest)]
     G = gram_of([*honest, [-50.0 * x for x in mean]])
-    weights = robust_weights(G, clip_ratio=None, standing=[0.1, -0.2, 0.0, 0.3])
+    weights = robust_weights(G, clip_ratio=None, standing=[0.1, -0.2, 0.0, 0.3], peer_standing=[0.0] * 4)
     assert weights.disagreeing == [3]
     for i in range(3):  # the kept sites against each other
         assert weights.push_backs[i] == pytest.approx(push_back(G, i, [0, 1, 2]), rel=1e-12)
     assert weights.push_backs[3] == pytest.approx(push_back(G, 3, [0, 1, 2, 3]), rel=1e-12)  # the zeroed one against all kept
-    assert updated_standing(0.3, weights.push_backs[3]) == 0.5 * 0.3 + 0.5 * weights.push_backs[3]
+    # each site's peers: the kept sites other than it, among themselves, never with it
+    for i in range(4):
+        peers = [j for j in (0, 1, 2) if j != i]
+        expected = statistics.median(push_back(G, j, peers) for j in peers)
+        assert weights.peer_push_backs[i] == pytest.approx(expected, rel=1e-12)
+    assert updated_standing(0.3, weights.push_backs[3]) == 0.9 * 0.3 + (1 - 0.9) * weights.push_backs[3]
     assert robust_weights(G, agreement=False).push_backs is None
 
 
@@ -344,9 +359,9 @@ def powersgd_sites(memory: str):
 
 
 def test_the_screening_commits_a_steps_standing_and_norms_once_and_a_retried_attempt_starts_from_the_committed_ones():
-    """Through the coordinator's screening and a real strategy's uploads: the standing measured in
-    a step takes effect at ``commit``; an attempt retried before the commit reads the committed
-    standing again, so it is not counted twice."""
+    """Through the coordinator's screening and a real strategy's uploads: the standings measured in
+    a step take effect at ``commit``; an attempt retried before the commit reads the committed
+    standings again, so they are not counted twice."""
     from dadfl.trust.screening import Screening
 
     strategy = make_strategy("dsgd")
@@ -356,15 +371,20 @@ def test_the_screening_commits_a_steps_standing_and_norms_once_and_a_retried_att
     for _attempt in range(2):
         screening.refusals(0, 0, uploads, [])
         screening.message(strategy.server(coordinator.layout, coordinator.model), uploads, [], sites=names)
-        assert screening.standing == {} and screening.recent_norms == {}  # not before the commit
+        assert screening.standing == screening.peer_standing == screening.recent_norms == {}  # not before the commit
     record = screening.commit(0, names)
-    assert set(screening.standing) == set(names) and screening.standing["d"] > max(0.0, *(screening.standing[n] for n in "abc"))
-    assert record["robust_disagreeing"] == ["d"] and record["robust_standing"] == {n: round(screening.standing[n], 4) for n in names}
+    assert set(screening.standing) == set(screening.peer_standing) == set(names)
+    assert screening.standing["d"] > max(0.0, *(screening.standing[n] for n in "abc"))  # the flipped site pushed back most
+    # d's peers (the honest sites) pulled each other forward; the others' peers include d, which
+    # raises their bounds, never its own
+    assert screening.peer_standing["d"] < 0.0 < min(screening.peer_standing[n] for n in "abc")
+    assert record["robust_standing"] == {n: round(screening.standing[n], 4) for n in names}
+    assert record["robust_peer_standing"] == {n: round(screening.peer_standing[n], 4) for n in names}
     norms = [strategy.contribution(coordinator.layout, p, [], coordinator.model)["update"] for p in uploads]
     assert {n: screening.recent_norms[n][0] for n in names} == {n: [pytest.approx(v, rel=1e-12)] for n, v in zip(names, norms)}
-    once, recent = dict(screening.standing), dict(screening.recent_norms)
+    once, peers, recent = dict(screening.standing), dict(screening.peer_standing), dict(screening.recent_norms)
     screening.commit(0, names)  # committing again changes nothing
-    assert screening.standing == once and screening.recent_norms == recent
+    assert screening.standing == once and screening.peer_standing == peers and screening.recent_norms == recent
 
 
 def test_untouched_weights_aggregate_the_uploads_bit_identically_and_a_zeroed_site_leaves_the_mean():
@@ -474,11 +494,16 @@ def test_the_operator_is_told_of_a_site_zeroed_in_many_of_the_last_steps_once_pe
     strategy = make_strategy("dsgd")
     coordinator, payloads, flipped = four_uploads(strategy)
     screening, names = Screening(coordinator, 100.0, None), ["a", "b", "c", "eve"]
+    zeroed = []  # per step, whether eve was zeroed
     with caplog.at_level("WARNING", logger="dadfl.trust.screening"):
-        for step in range(2 * ZEROED_WINDOW):
+        for step in range(2 * ZEROED_WINDOW):  # eve flips every other step, from step 1
             uploads = [type(p)(step, 0, p.num_samples, p.tensors) for p in [*payloads[:3], flipped if step % 2 else payloads[3]]]
             screening.refusals(step, 0, uploads, [])
             screening.message(strategy.server(coordinator.layout, coordinator.model), uploads, [], sites=names)
-            assert ("eve" in screening.commit(step, names).get("robust_disagreeing", [])) == bool(step % 2)
+            record = screening.commit(step, names)
+            assert set(record.get("robust_disagreeing", [])) <= {"eve"}
+            zeroed.append("eve" in record.get("robust_disagreeing", []))
+    assert not zeroed[0] and all(zeroed[ZEROED_WINDOW // 2:])  # its standing keeps it out once it has flipped a few times
     warnings = [r.getMessage() for r in caplog.records if "weight 0" in r.getMessage()]
-    assert len(warnings) == 2 and all(w.startswith("agreement gave 'eve' weight 0 in 25 of the last 50 steps") for w in warnings)
+    counts = [sum(zeroed[:ZEROED_WINDOW]), sum(zeroed[ZEROED_WINDOW:])]
+    assert [w.split(" of the last")[0] for w in warnings] == [f"agreement gave 'eve' weight 0 in {n}" for n in counts]
