@@ -1,6 +1,6 @@
 """An adaptive enrolled site, over real gRPC: it computes its genuine upload each phase and
 scales the gradient-carrying tensors by a factor the influence bound (100× the others'
-median) accepts. The coordinator clips it and weighs it by agreement (``server/screening.py``):
+median) accepts. The coordinator clips it and weighs it by agreement (``dadfl/trust/screening.py``):
 the run completes, no honest site is refused or quarantined, and the final accuracy stays
 close to the three honest sites' without it (the in-process simulation)."""
 
@@ -18,6 +18,7 @@ from dadfl.replica import OptimizerConfig
 from dadfl.server.enrol import enroll
 from dadfl.simulation import SimulationConfig, StrategySpec, simulate
 from dadfl.strategies.base import split_key
+from dadfl.strategies.robust import DEFAULT_AGREEMENT_MARGIN
 from tests.helpers.network import ServerThread, SiteThread, server_config
 from tests.trust.test_malicious_site import floats
 
@@ -55,6 +56,36 @@ def site_config(tmp_path, site_id: str, index: int, endpoint: str) -> SiteConfig
     (StrategySpec(name="rankdad", options={"rank": 2}), -40.0),  # under the bound (100× the median) in most steps
 ])
 def test_an_adaptive_site_is_bounded_and_no_honest_site_pays_for_it(tmp_path, monkeypatch, strategy, factor):
+    records = run_with_adaptive_site(tmp_path, monkeypatch, strategy, factor)
+    taking_part = [r for r in records if ADAPTIVE in r["site_ids"]]
+    assert len(taking_part) >= STEPS // 2 and all(ADAPTIVE in r["robust_factors"] for r in taking_part)  # always bounded
+    honest_weighed = sum(1 for r in records for site in r.get("robust_factors", {}) if site != ADAPTIVE)
+    assert honest_weighed <= STEPS * HONEST * 0.2, f"honest sites were weighed down {honest_weighed} times"
+
+    simulation = SimulationConfig(
+        workload=WORKLOAD["spec"], workload_options=WORKLOAD["options"], sites=HONEST, batch_size=BATCH, steps=STEPS,
+        eval_every=STEPS, device="cpu", optimizer=OptimizerConfig(name="sgd", lr=LR, momentum=0.9), strategies=[strategy],
+    )
+    with MetricsWriter(tmp_path / "clean.jsonl") as metrics:
+        clean = simulate(simulation, strategy, metrics)
+    accuracy = records[-1]["test_accuracy"]
+    assert math.isfinite(accuracy) and accuracy >= clean["metric"] - 0.03, (accuracy, clean["metric"])
+
+
+def test_a_site_that_adds_nothing_leaves_the_mean_once_its_peers_standing_settles(tmp_path, monkeypatch):
+    """A free rider (its uploads × 0, its sample count as it is) pushes the model nowhere; its
+    peers pull each other forward, so once their standing settles it is zeroed and leaves the
+    mean instead of diluting it, and no honest site is zeroed for it."""
+    records = run_with_adaptive_site(tmp_path, monkeypatch, StrategySpec(name="dsgd"), 0.0)
+    settled = records[STEPS // 2:]
+    assert all(ADAPTIVE in r["robust_disagreeing"] for r in settled), [r["robust_disagreeing"] for r in settled]
+    assert all(r["robust_peer_standing"][ADAPTIVE] + DEFAULT_AGREEMENT_MARGIN < 0.0 for r in settled)  # its bound is a pull forward
+    assert not any(set(r.get("robust_disagreeing", [])) - {ADAPTIVE} for r in records)
+
+
+def run_with_adaptive_site(tmp_path, monkeypatch, strategy: StrategySpec, factor: float) -> list[dict]:
+    """3 honest sites and the adaptive one over gRPC on loopback; the coordinator's records,
+    once the run has completed with every honest site in every step and none quarantined."""
     config = server_config(
         tmp_path, threads=1, workload=WORKLOAD, optimizer={"lr": LR},
         strategy={"name": strategy.name, "options": strategy.options},
@@ -80,16 +111,4 @@ def test_an_adaptive_site_is_bounded_and_no_honest_site_pays_for_it(tmp_path, mo
     assert all(honest <= set(r["site_ids"]) for r in records)  # no honest site dropped
     quarantine = tmp_path / "run" / "quarantine.json"
     assert set(json.loads(quarantine.read_text()) if quarantine.exists() else {}) <= {ADAPTIVE}
-    taking_part = [r for r in records if ADAPTIVE in r["site_ids"]]
-    assert len(taking_part) >= STEPS // 2 and all(ADAPTIVE in r["robust_factors"] for r in taking_part)  # always bounded
-    honest_weighed = sum(1 for r in records for site in r.get("robust_factors", {}) if site != ADAPTIVE)
-    assert honest_weighed <= STEPS * HONEST * 0.2, f"honest sites were weighed down {honest_weighed} times"
-
-    simulation = SimulationConfig(
-        workload=WORKLOAD["spec"], workload_options=WORKLOAD["options"], sites=HONEST, batch_size=BATCH, steps=STEPS,
-        eval_every=STEPS, device="cpu", optimizer=OptimizerConfig(name="sgd", lr=LR, momentum=0.9), strategies=[strategy],
-    )
-    with MetricsWriter(tmp_path / "clean.jsonl") as metrics:
-        clean = simulate(simulation, strategy, metrics)
-    accuracy = records[-1]["test_accuracy"]
-    assert math.isfinite(accuracy) and accuracy >= clean["metric"] - 0.03, (accuracy, clean["metric"])
+    return records
