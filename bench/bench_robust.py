@@ -65,7 +65,7 @@ from dadfl.strategies import make_strategy
 from dadfl.strategies.base import split_key
 from dadfl.strategies.checks import medians_of_the_others
 from dadfl.strategies.gram import gram
-from dadfl.strategies.robust import DEFAULT_CLIP_RATIO, history_references, robust_weights
+from dadfl.strategies.robust import DEFAULT_CLIP_RATIO, agreement_bound, history_references, robust_weights
 from dadfl.workloads import load_workload, partition, site_batches
 
 STRATEGIES = {
@@ -207,7 +207,7 @@ class Attacker:
         """The largest s in [−1, 20] whose estimated score stays below its estimated bound: push-back
         estimated as s · ‖g‖ (at most c · ‖g‖) times the cosine of its genuine update with the last
         message; the peers' standing as the average of the push-back its genuine update would have
-        there (−cosine), the bound that plus 0.9 β. Below 0 it sends its gradient forward, to
+        there (−cosine), and the bound from that, less 0.1 β. Below 0 it sends its gradient forward, to
         earn the standing it spends."""
         if self.last_message is None:
             return 0.0  # nothing to estimate from yet: send nothing
@@ -217,7 +217,7 @@ class Attacker:
         norm, cosine = math.sqrt(G[0, 0]), float(G[0, 1] / math.sqrt(G[0, 0] * G[1, 1])) if G[0, 0] * G[1, 1] > 0 else 0.0
         weight = rule.standing_weight
         self.estimated_peers = weight * self.estimated_peers + (1 - weight) * -cosine
-        limit = self.estimated_peers + 0.9 * rule.agreement_margin
+        limit = agreement_bound(self.estimated_peers, rule.agreement_margin) - 0.1 * rule.agreement_margin
         scale = 20.0 if cosine <= 0 else min(20.0, (limit - weight * self.estimated_standing) / ((1 - weight) * cosine))
         scale = max(scale, -1.0)
         push = min(scale, rule.clip_ratio) * cosine if norm else 0.0  # a clipped site sends c · ‖g‖ at most

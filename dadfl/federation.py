@@ -38,7 +38,8 @@ class FederationConfig(StrictModel):
     agreement: bool = Field(
         True, description="bounded influence, 3 or more sites: a site whose push-back on the model along the other sites' "
         "summed update, averaged over its recent steps, exceeds what the other sites push back on each other by "
-        "agreement_margin x their median norm gets weight 0 for the step (docs/robustness.md)"
+        "agreement_margin x their median norm (or keeps less than a third of their pull) gets weight 0 for the step "
+        "(docs/robustness.md)"
     )
     agreement_margin: float = Field(
         DEFAULT_AGREEMENT_MARGIN, ge=0, le=10, description="how much more a site may push back (in median norms) than "

@@ -34,11 +34,13 @@ samples of the sites of nonzero weight.
    standing** r_i, the same average of the median push-back of the *other* sites among
    themselves, measured without site i (the median over j ≠ i of p_j against the sum of the
    sites kept other than i and j); both 0 for a site not seen before. A site whose score
-   reaches the peers' standing plus a margin,
+   reaches its bound,
 
-       λ · h_i + (1 − λ) · p_i ≥ r_i + β,      λ = ``standing_weight``,  β = ``agreement_margin``,
+       λ · h_i + (1 − λ) · p_i ≥ max(r_i + β, r_i / 3),      λ = ``standing_weight``,  β = ``agreement_margin``,
 
-   gets weight 0; greedily, the furthest over its bound first, the directions then
+   that is, pushes back β more than its peers do among themselves or, where they pull each
+   other forward by more than 1.5 β, keeps less than a third of their pull (``MIN_PULL_SHARE``),
+   gets weight 0 (:func:`agreement_bound`); greedily, the furthest over its bound first, the directions then
    recomputed among the sites left, while 3 or more are left (a site pulled past its bound
    by the attacker's share of u_i alone recovers once the attacker is out). Once the step is
    committed, h_i ← λ · h_i + (1 − λ) · p_i against the sites kept, and r_i likewise with
@@ -53,6 +55,9 @@ samples of the sites of nonzero weight.
    nearly as they do, and one that adds nothing (an update of 0, a free rider that would
    dilute the mean) pushes back by 0, past r_i + β, and leaves the mean. r_i never includes
    site i, so no site can raise its own bound; a site can raise the others' bounds only.
+   The share is there for peers that pull each other forward strongly (PowerSGD's Q_s, about
+   −0.7): a fixed β is then a small share of their pull, and an honest site whose memory
+   carries less of the common direction fell past it.
    λ is long (about ten steps) because the bound sits close to the honest sites' average:
    a short average would zero honest sites for one step's noise. Karimireddy, He and Jaggi
    (ICML 2021, "Learning from history for Byzantine robust optimization") show that a rule
@@ -110,6 +115,9 @@ DEFAULT_AGREEMENT_MARGIN = 0.2  # β, measured: docs/robustness.md
 # one in the directions; the step's size does not depend on it. Measured: docs/robustness.md
 BASIS_CLIP_RATIO = 1.0
 DEFAULT_STANDING_WEIGHT = 0.9  # the weight of a site's past steps in its score, measured: docs/robustness.md
+# The least share of its peers' pull forward a site keeps within its bound (module text, step 2),
+# measured: docs/robustness.md
+MIN_PULL_SHARE = 1 / 3
 # The clip's reference from history (module text, step 1), measured: docs/robustness.md
 CLIP_HISTORY_STEPS = 50  # a site's norms kept, its last committed steps
 CLIP_QUANTILE = 0.9
@@ -186,7 +194,7 @@ def robust_weights(
             peers = list(peer_standing) if peer_standing is not None else [0.0] * S
         while len(remaining) >= 3:
             push = _push_backs(clipped, remaining)
-            over = {i: updated_standing(past[i], push[i], weight) - peers[i] - agreement_margin for i in remaining}  # the score it would have
+            over = {i: updated_standing(past[i], push[i], weight) - agreement_bound(peers[i], agreement_margin) for i in remaining}
             worst = max(remaining, key=lambda i: (over[i], -i))
             if over[worst] < 0:
                 break
@@ -223,6 +231,13 @@ def recent_quantile(norms: Sequence[float]) -> float:
 def recorded_norms(before: Sequence[float], norm: float) -> list[float]:
     """A site's recent norms after a committed step with ``norm``: the last ``CLIP_HISTORY_STEPS``."""
     return [*before, norm][-CLIP_HISTORY_STEPS:]
+
+
+def agreement_bound(peer_standing: float, agreement_margin: float = DEFAULT_AGREEMENT_MARGIN) -> float:
+    """The score at which a site whose peers' standing is ``peer_standing`` gets weight 0: past
+    its peers by β, or, where they pull each other forward strongly, keeping less than
+    ``MIN_PULL_SHARE`` of their pull (module text, step 2)."""
+    return max(peer_standing + agreement_margin, MIN_PULL_SHARE * peer_standing)
 
 
 def updated_standing(before: float, push_back: float, standing_weight: float = DEFAULT_STANDING_WEIGHT) -> float:

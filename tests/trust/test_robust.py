@@ -13,7 +13,8 @@ from dadfl.strategies.base import split_key
 from dadfl.strategies.gram import Dense, LowRank, UnpairedForms, gram, inner
 from dadfl.strategies.quantize import unpack
 from dadfl.strategies.robust import (
-    CLIP_HISTORY_STEPS, DEFAULT_AGREEMENT_MARGIN, MIN_CLIP_HISTORY, history_references, recent_quantile, recorded_norms, robust_weights,
+    CLIP_HISTORY_STEPS, DEFAULT_AGREEMENT_MARGIN, MIN_CLIP_HISTORY, MIN_PULL_SHARE, agreement_bound, history_references, recent_quantile,
+    recorded_norms, robust_weights,
     updated_standing,
 )
 from tests.strategies.test_strategy_checks import WORKLOADS, federation
@@ -270,18 +271,22 @@ def test_an_attacker_flipped_at_the_clip_bound_gets_weight_zero_and_the_honest_k
     assert weights.factors == [1.0, 1.0, 1.0, 0.0]
 
 
-def test_a_site_pushing_back_past_its_peers_by_the_margin_is_zeroed_and_one_within_it_is_not():
+def test_a_site_past_its_bound_is_zeroed_and_one_within_it_is_not():
     base = [[1.0, 0.0], [1.0, 0.0], [1.0, 0.0]]  # the others' sum along e_0, their norms 1: they push back by −1 on each other
     assert all(push_back(gram_of(base), i, [0, 1, 2]) == pytest.approx(-1.0) for i in range(3))
-    for push, zeroed in ((-1.0 + 0.9 * DEFAULT_AGREEMENT_MARGIN, []), (-1.0 + 1.1 * DEFAULT_AGREEMENT_MARGIN, [3])):
+    bound = agreement_bound(-1.0)  # peers pulling this hard: a third of their pull
+    assert bound == pytest.approx(-1 / 3) and bound == pytest.approx(MIN_PULL_SHARE * -1.0)
+    for push, zeroed in ((bound - 0.02, []), (bound + 0.02, [3])):
         site = [-push, (1.0 - push**2) ** 0.5]  # unit norm, −push along the others' direction
         weights = robust_weights(gram_of([*base, site]))
         assert weights.disagreeing == zeroed and weights.clipped == []
-    # the margin is β, the bound the peers' standing plus β
-    assert robust_weights(gram_of([*base, [0.85, 0.53]]), agreement_margin=0.1).disagreeing == [3]
-    orthogonal = gram_of([*base, [0.0, 1.0]])  # pushes nowhere: within β of peers that push back by −0.1 on average
+    # peers pulling weakly: β past them decides
+    orthogonal = gram_of([*base, [0.0, 1.0]])  # pushes nowhere
+    assert agreement_bound(-0.1) == pytest.approx(-0.1 + DEFAULT_AGREEMENT_MARGIN)
     assert robust_weights(orthogonal, standing=[-0.3, -0.3, -0.3, 0.0], peer_standing=[-0.1] * 4).disagreeing == []
     assert robust_weights(orthogonal, standing=[-0.3, -0.3, -0.3, 0.0], peer_standing=[-0.3] * 4).disagreeing == [3]
+    narrow = robust_weights(orthogonal, agreement_margin=0.05, standing=[-0.3, -0.3, -0.3, 0.0], peer_standing=[-0.1] * 4)
+    assert narrow.disagreeing == [3]  # the margin is β
 
 
 def test_standing_zeroes_a_site_that_pushed_back_before_and_spares_one_that_pulled_forward():

@@ -18,7 +18,7 @@ from dadfl.replica import OptimizerConfig
 from dadfl.server.enrol import enroll
 from dadfl.simulation import SimulationConfig, StrategySpec, simulate
 from dadfl.strategies.base import split_key
-from dadfl.strategies.robust import DEFAULT_AGREEMENT_MARGIN
+from dadfl.strategies.robust import agreement_bound
 from tests.helpers.network import ServerThread, SiteThread, server_config
 from tests.trust.test_malicious_site import floats
 
@@ -79,7 +79,7 @@ def test_a_site_that_adds_nothing_leaves_the_mean_once_its_peers_standing_settle
     records = run_with_adaptive_site(tmp_path, monkeypatch, StrategySpec(name="dsgd"), 0.0)
     settled = records[STEPS // 2:]
     assert all(ADAPTIVE in r["robust_disagreeing"] for r in settled), [r["robust_disagreeing"] for r in settled]
-    assert all(r["robust_peer_standing"][ADAPTIVE] + DEFAULT_AGREEMENT_MARGIN < 0.0 for r in settled)  # its bound is a pull forward
+    assert all(agreement_bound(r["robust_peer_standing"][ADAPTIVE]) < 0.0 for r in settled)  # its bound is a pull forward
     assert not any(set(r.get("robust_disagreeing", [])) - {ADAPTIVE} for r in records)
 
 
