@@ -13,7 +13,7 @@ from dadfl.strategies.base import split_key
 from dadfl.strategies.gram import Dense, LowRank, UnpairedForms, gram, inner
 from dadfl.strategies.quantize import unpack
 from dadfl.strategies.robust import (
-    CLIP_HISTORY_STEPS, DEFAULT_AGREEMENT_MARGIN, MIN_CLIP_HISTORY, MIN_PULL_SHARE, agreement_bound, history_references, recent_quantile,
+    CLIP_HISTORY_STEPS, DEFAULT_AGREEMENT_MARGIN, DEFAULT_CLIP_RATIO, MIN_CLIP_HISTORY, MIN_PULL_SHARE, agreement_bound, history_references, recent_quantile,
     recorded_norms, robust_weights,
     updated_standing,
 )
@@ -184,13 +184,14 @@ def test_two_sites_bound_each_other_and_agreement_needs_a_majority():
 def test_an_honest_spike_within_the_others_recent_quantile_is_not_clipped_and_no_site_sets_its_own_bound():
     G = gram_of([[1.0, 0.0], [1.0, 0.0], [1.0, 0.0], [5.0, 0.0]])  # site 3's norm 5, the others' median 1
     usual = [1.0] * 40 + [4.0] * 10  # mostly 1, one step in five at 4: the 0.9 quantile is 4
-    assert robust_weights(G).clipped == [3]  # this step's median alone: 5 > 2 × 1
-    assert robust_weights(G, recent_norms=[usual] * 4).untouched  # 5 ≤ 2 × 4
+    c = DEFAULT_CLIP_RATIO
+    assert robust_weights(G).clipped == [3]  # this step's median alone: 5 > c × 1
+    assert c * 4 >= 5 and robust_weights(G, recent_norms=[usual] * 4).untouched  # 5 ≤ c × 4
     # its own history never raises its bound: the others' recent quantile is 1
-    assert robust_weights(G, recent_norms=[[1.0] * 50] * 3 + [[100.0] * 50]).factors[3] == pytest.approx(2.0 / 5.0)
+    assert robust_weights(G, recent_norms=[[1.0] * 50] * 3 + [[100.0] * 50]).factors[3] == pytest.approx(c / 5.0)
     # one site's large history among the others does not move an honest site's reference (a median)
     spike0 = gram_of([[5.0, 0.0], [1.0, 0.0], [1.0, 0.0], [1.0, 0.0]])
-    assert robust_weights(spike0, recent_norms=[[1.0] * 50, [1.0] * 50, [1.0] * 50, [1000.0] * 50]).factors[0] == pytest.approx(2.0 / 5.0)
+    assert robust_weights(spike0, recent_norms=[[1.0] * 50, [1.0] * 50, [1.0] * 50, [1000.0] * 50]).factors[0] == pytest.approx(c / 5.0)
     # fewer than MIN_CLIP_HISTORY norms set no one's reference yet
     assert robust_weights(G, recent_norms=[[4.0] * (MIN_CLIP_HISTORY - 1)] * 4).clipped == [3]
 
@@ -266,7 +267,7 @@ def test_honest_sites_with_noisy_but_aligned_gradients_keep_factor_one():
 def test_an_attacker_flipped_at_the_clip_bound_gets_weight_zero_and_the_honest_keep_one():
     honest = NOISY_HONEST[:3]
     mean = [sum(column) / 3 for column in zip(*honest)]
-    weights = robust_weights(gram_of([*honest, [-50.0 * x for x in mean]]))  # ×−50: clipped to 2× the median, then flipped
+    weights = robust_weights(gram_of([*honest, [-50.0 * x for x in mean]]))  # ×−50: clipped to c× the median, then flipped
     assert weights.clipped == [3] and weights.disagreeing == [3]
     assert weights.factors == [1.0, 1.0, 1.0, 0.0]
 
@@ -323,7 +324,7 @@ def test_push_backs_are_measured_against_the_sites_kept_and_the_standing_follows
 
 def four_uploads(strategy):
     """A digits-mlp coordinator and four sites' uploads of step 0 on its weights (large batches:
-    aligned gradients), the fourth sign-flipped at 20×, clipped to 2× the others' median."""
+    aligned gradients), the fourth sign-flipped at 20×, clipped to c× the others' median."""
     from dadfl.replica import OptimizerConfig, Replica
     from dadfl.workloads import load_workload, partition, site_batches
 
