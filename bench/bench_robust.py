@@ -27,7 +27,8 @@ PowerSGD's Q):
   sites' sum, negated, at the clip's bound, turned towards that sum only as far as agreement
   needs to keep it (knowing every upload, standing and the clip's history; dSGD, whose upload
   can be any vector). Agreement measures a site along the others' sum only, so this is what
-  a site inside the rule can still do (``docs/robustness.md``);
+  a site inside the rule can still do (``docs/robustness.md``); ``blind-ortho``: the same
+  with what a site sees (the last message for the others' sum, estimates as ``blind-flip``);
 - ``zero``: its upload times 0, its sample count as it is: a site that adds nothing (a free
   rider), which would slow the federation by its share of the samples if it stayed in the
   mean; it pushes back by 0, more than honest peers do among themselves on IID data;
@@ -76,11 +77,11 @@ STRATEGIES = {
     "powersgd r=2": ("powersgd", {"rank": 2}),
     "fedavg H=4": ("fedavg", {"local_steps": 4}),
 }
-ATTACKS = ("clean4", "x50", "flip20", "under", "under-flip", "margin-flip", "blind-flip", "ortho", "zero", "drift")
+ATTACKS = ("clean4", "x50", "flip20", "under", "under-flip", "margin-flip", "blind-flip", "ortho", "blind-ortho", "zero", "drift")
 SITES, BATCH, LR, MAX_RATIO = 4, 32, 0.1, 100.0
 ATTACKER = SITES - 1
 BLIND_STRATEGIES = ("dsgd", "dad", "auto", "fedavg H=4")  # one phase, a message that is the update (blind-flip)
-ORTHO_STRATEGIES = ("dsgd",)  # uploads that are the dense gradient: any vector can be sent (ortho)
+ORTHO_STRATEGIES = ("dsgd",)  # uploads that are the dense gradient: any vector can be sent (ortho, blind-ortho)
 PARTITION = {"scheme": "iid", "alpha": 0.5}  # how the training set is split (the command line's --partition, --alpha)
 RULE: dict = {}  # the agreement rule's margin and standing weight where the command line sets them
 
@@ -88,6 +89,20 @@ RULE: dict = {}  # the agreement rule's margin and standing weight where the com
 def attacked(payload, roles, change):
     tensors = {k: change(k, t) if split_key(k)[1] in roles and t.is_floating_point() else t for k, t in payload.tensors.items()}
     return type(payload)(payload.step, payload.phase, payload.num_samples, tensors)
+
+
+def flat_tensors(payload, keys: list[str] | None = None) -> torch.Tensor:
+    """A dense upload (or message) as one float64 vector, its tensors in ``keys``' order."""
+    return torch.cat([payload.tensors[k].reshape(-1).double() for k in (keys or list(payload.tensors))])
+
+
+def dense_upload(genuine, vector: torch.Tensor):
+    """``genuine`` with its tensors replaced by ``vector``, cut in their shapes and order."""
+    tensors, offset = {}, 0
+    for key, tensor in genuine.tensors.items():
+        tensors[key] = vector[offset:offset + tensor.numel()].reshape(tensor.shape).to(tensor.dtype)
+        offset += tensor.numel()
+    return type(genuine)(genuine.step, genuine.phase, genuine.num_samples, tensors)
 
 
 class Attacker:
@@ -118,6 +133,8 @@ class Attacker:
             bad = attacked(genuine, self.roles, lambda k, t: t * -self.blind_scale(genuine, messages))
         elif self.kind == "ortho":
             bad = self.orthogonal(payloads, messages)
+        elif self.kind == "blind-ortho":
+            bad = self.blind_orthogonal(genuine)
         elif self.kind == "zero":
             bad = attacked(genuine, self.roles, lambda k, t: t * 0)
         elif self.kind == "drift":
@@ -166,9 +183,7 @@ class Attacker:
         clip's history), θ the smallest that agreement keeps (bisection on the rule itself; dense
         uploads: dSGD)."""
         genuine = payloads[ATTACKER]
-        keys = list(genuine.tensors)
-        flat = lambda p: torch.cat([p.tensors[k].reshape(-1).double() for k in keys])
-        own, others = flat(genuine), sum(flat(p) for p in payloads[:ATTACKER])
+        own, others = flat_tensors(genuine), sum(flat_tensors(p) for p in payloads[:ATTACKER])
         forward = others / others.norm()
         across = -(own - (own @ forward) * forward)
         across = across / across.norm()
@@ -178,17 +193,11 @@ class Attacker:
         standing = [rule.standing.get(str(i), 0.0) for i in range(len(payloads))]
         peers = [rule.peer_standing.get(str(i), 0.0) for i in range(len(payloads))]
         honest_terms = [self.strategy.terms(layout, p, messages, model)[0] for p in payloads[:ATTACKER]]
-        honest_norms = [float(flat(p).norm()) for p in payloads[:ATTACKER]]
+        honest_norms = [float(flat_tensors(p).norm()) for p in payloads[:ATTACKER]]
         length = rule.clip_ratio * max(statistics.median(honest_norms), history_references(history)[ATTACKER])
 
         def upload(theta: float):
-            vector = length * (math.cos(theta) * across + math.sin(theta) * forward)
-            tensors, offset = {}, 0
-            for k in keys:
-                t = genuine.tensors[k]
-                tensors[k] = vector[offset:offset + t.numel()].reshape(t.shape).to(t.dtype)
-                offset += t.numel()
-            return type(genuine)(genuine.step, genuine.phase, genuine.num_samples, tensors)
+            return dense_upload(genuine, length * (math.cos(theta) * across + math.sin(theta) * forward))
 
         def kept(theta: float) -> bool:
             G = gram([*honest_terms, self.strategy.terms(layout, upload(theta), messages, model)[0]])
@@ -202,6 +211,28 @@ class Attacker:
             middle = (low + high) / 2
             low, high = (low, middle) if kept(middle) else (middle, high)
         return upload(high)
+
+    def blind_orthogonal(self, genuine):
+        """``ortho`` without seeing the others' uploads: the last message's direction ℓ̂ stands for
+        their sum and its own norm for their median; it sends c ‖g‖ (cos θ · (−ĝ⊥) + sin θ · ℓ̂),
+        ĝ⊥ its gradient's part orthogonal to ℓ̂, with θ the smallest whose estimated push-back
+        (−c sin θ) keeps its estimated score below its estimated bound less 0.1 β, the peers'
+        standing estimated as for ``blind-flip``."""
+        if self.last_message is None:
+            return genuine  # nothing to estimate from yet: its genuine upload
+        own, last = flat_tensors(genuine), flat_tensors(self.last_message, list(genuine.tensors))
+        forward = last / last.norm()
+        cosine = float(own @ forward / own.norm())
+        across = -(own - (own @ forward) * forward)
+        across = across / across.norm()
+        rule, weight = self.screening, self.screening.standing_weight
+        self.estimated_peers = weight * self.estimated_peers + (1 - weight) * -cosine
+        limit = agreement_bound(self.estimated_peers, rule.agreement_margin) - 0.1 * rule.agreement_margin
+        push = min(0.0, (limit - weight * self.estimated_standing) / (1 - weight))  # the largest it may show, at most 0
+        sine = min(1.0, -push / rule.clip_ratio)
+        self.estimated_standing = weight * self.estimated_standing + (1 - weight) * -rule.clip_ratio * sine
+        theta = math.asin(sine)
+        return dense_upload(genuine, rule.clip_ratio * float(own.norm()) * (math.cos(theta) * across + math.sin(theta) * forward))
 
     def blind_scale(self, genuine, messages: list) -> float:
         """The largest s in [−1, 20] whose estimated score stays below its estimated bound: push-back
@@ -308,7 +339,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
     parser.add_argument(  # blind-flip and ortho serve some strategies only: asked for by name
-        "--attacks", nargs="+", default=[a for a in ATTACKS if a not in ("blind-flip", "ortho")], choices=list(ATTACKS)
+        "--attacks", nargs="+", default=[a for a in ATTACKS if a not in ("blind-flip", "ortho", "blind-ortho")], choices=list(ATTACKS)
     )
     parser.add_argument("--clip-ratio", type=float, default=DEFAULT_CLIP_RATIO)
     parser.add_argument("--no-agreement", action="store_true")
@@ -324,8 +355,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if "blind-flip" in args.attacks and unsupported:
         parser.error(f"blind-flip estimates from the last message, which is no update for {', '.join(unsupported)}; drop them or the attack")
     unsupported = [label for label in args.strategies if label not in ORTHO_STRATEGIES]
-    if "ortho" in args.attacks and unsupported:
-        parser.error(f"ortho sends a vector of its choosing, which {', '.join(unsupported)} cannot carry; drop them or the attack")
+    if {"ortho", "blind-ortho"} & set(args.attacks) and unsupported:
+        parser.error(f"ortho and blind-ortho send a vector of their choosing, which {', '.join(unsupported)} cannot carry; drop them or the attack")
     clip, agreement = (None, False) if args.off else (args.clip_ratio, not args.no_agreement)
     torch.set_num_threads(1)
     PARTITION.update(scheme=args.partition, alpha=args.alpha)
