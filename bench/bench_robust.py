@@ -148,6 +148,16 @@ class Attacker:
             bad = genuine
         return [*payloads[:ATTACKER], bad]
 
+    def kept(self, G: torch.Tensor, phase: int) -> bool:
+        """Whether the agreement rule, as the coordinator holds it now (every site's standings and
+        the clip's history, unless the run is per step), keeps the attacker on the Gram matrix ``G``."""
+        rule, ids = self.screening, [str(i) for i in range(G.shape[0])]
+        standing = [rule.standing.get(i, 0.0) for i in ids] if self.standing else None
+        history = [rule.recent_norms.get(i, {}).get(phase, []) for i in ids] if self.standing else None
+        peers = [rule.peer_standing.get(i, 0.0) for i in ids] if self.standing else None
+        weights = robust_weights(G, rule.clip_ratio, True, rule.agreement_margin, standing, rule.standing_weight, history, peers)
+        return ATTACKER not in weights.disagreeing
+
     def margin_scale(self, payloads: list, messages: list) -> float:
         """The largest s in [−1, 20] at which −s × the genuine upload is not zeroed by agreement, the
         attacker knowing every upload, every site's standing and the clip's history (bisection on the
@@ -157,16 +167,11 @@ class Attacker:
             return 20.0
         layout, model = self.screening.replica.layout, self.screening.replica.model
         G = gram([self.strategy.terms(layout, p, messages, model)[0] for p in payloads])
-        standing = [self.screening.standing.get(str(i), 0.0) for i in range(len(payloads))] if self.standing else None
-        history = [self.screening.recent_norms.get(str(i), {}).get(phase, []) for i in range(len(payloads))] if self.standing else None
-        peers = [self.screening.peer_standing.get(str(i), 0.0) for i in range(len(payloads))] if self.standing else None
-        rule = self.screening
 
         def kept(scale: float) -> bool:
             d = torch.ones(len(payloads), dtype=torch.float64)
             d[ATTACKER] = -scale
-            weights = robust_weights(G * torch.outer(d, d), rule.clip_ratio, True, rule.agreement_margin, standing, rule.standing_weight, history, peers)
-            return ATTACKER not in weights.disagreeing
+            return self.kept(G * torch.outer(d, d), phase)
 
         if kept(20.0):
             return 20.0
@@ -190,8 +195,6 @@ class Attacker:
         phase = genuine.phase
         layout, model, rule = self.screening.replica.layout, self.screening.replica.model, self.screening
         history = [rule.recent_norms.get(str(i), {}).get(phase, []) for i in range(len(payloads))]
-        standing = [rule.standing.get(str(i), 0.0) for i in range(len(payloads))]
-        peers = [rule.peer_standing.get(str(i), 0.0) for i in range(len(payloads))]
         honest_terms = [self.strategy.terms(layout, p, messages, model)[0] for p in payloads[:ATTACKER]]
         honest_norms = [float(flat_tensors(p).norm()) for p in payloads[:ATTACKER]]
         length = rule.clip_ratio * max(statistics.median(honest_norms), history_references(history)[ATTACKER])
@@ -200,9 +203,7 @@ class Attacker:
             return dense_upload(genuine, length * (math.cos(theta) * across + math.sin(theta) * forward))
 
         def kept(theta: float) -> bool:
-            G = gram([*honest_terms, self.strategy.terms(layout, upload(theta), messages, model)[0]])
-            weights = robust_weights(G, rule.clip_ratio, True, rule.agreement_margin, standing, rule.standing_weight, history, peers)
-            return ATTACKER not in weights.disagreeing
+            return self.kept(gram([*honest_terms, self.strategy.terms(layout, upload(theta), messages, model)[0]]), phase)
 
         low, high = 0.0, math.pi / 2
         if kept(low):
