@@ -66,7 +66,7 @@ from dadfl.strategies import make_strategy
 from dadfl.strategies.base import split_key
 from dadfl.strategies.checks import medians_of_the_others
 from dadfl.strategies.gram import gram
-from dadfl.strategies.robust import DEFAULT_CLIP_RATIO, agreement_bound, history_references, robust_weights
+from dadfl.strategies.robust import DEFAULT_CLIP_RATIO, agreement_bound, history_references
 from dadfl.workloads import load_workload, partition, site_batches
 
 STRATEGIES = {
@@ -148,30 +148,22 @@ class Attacker:
             bad = genuine
         return [*payloads[:ATTACKER], bad]
 
-    def kept(self, G: torch.Tensor, phase: int) -> bool:
-        """Whether the agreement rule, as the coordinator holds it now (every site's standings and
-        the clip's history, unless the run is per step), keeps the attacker on the Gram matrix ``G``."""
-        rule, ids = self.screening, [str(i) for i in range(G.shape[0])]
-        standing = [rule.standing.get(i, 0.0) for i in ids] if self.standing else None
-        history = [rule.recent_norms.get(i, {}).get(phase, []) for i in ids] if self.standing else None
-        peers = [rule.peer_standing.get(i, 0.0) for i in ids] if self.standing else None
-        weights = robust_weights(G, rule.clip_ratio, True, rule.agreement_margin, standing, rule.standing_weight, history, peers)
-        return ATTACKER not in weights.disagreeing
+    def kept(self, payloads: list, messages: list) -> bool:
+        """Whether the rule, as the coordinator holds it now (every site's standings, momenta and
+        the clip's history, unless the run is per step), keeps the attacker among ``payloads``."""
+        sites = [str(i) for i in range(len(payloads))] if self.standing else None
+        return ATTACKER not in self.screening.weights(payloads, messages, sites).disagreeing
 
     def margin_scale(self, payloads: list, messages: list) -> float:
         """The largest s in [−1, 20] at which −s × the genuine upload is not zeroed by agreement, the
         attacker knowing every upload, every site's standing and the clip's history (bisection on the
-        rule itself: scaling the factors scales the update, so G_s = D G D with D = diag(1, ..., 1, −s))."""
+        rule itself)."""
         step, phase = payloads[0].step, payloads[0].phase
         if not self.strategy.uploads_agree(step, phase):
             return 20.0
-        layout, model = self.screening.replica.layout, self.screening.replica.model
-        G = gram([self.strategy.terms(layout, p, messages, model)[0] for p in payloads])
 
         def kept(scale: float) -> bool:
-            d = torch.ones(len(payloads), dtype=torch.float64)
-            d[ATTACKER] = -scale
-            return self.kept(G * torch.outer(d, d), phase)
+            return self.kept([*payloads[:ATTACKER], attacked(payloads[ATTACKER], self.roles, lambda k, t: t * -scale)], messages)
 
         if kept(20.0):
             return 20.0
@@ -193,9 +185,8 @@ class Attacker:
         across = -(own - (own @ forward) * forward)
         across = across / across.norm()
         phase = genuine.phase
-        layout, model, rule = self.screening.replica.layout, self.screening.replica.model, self.screening
+        rule = self.screening
         history = [rule.recent_norms.get(str(i), {}).get(phase, []) for i in range(len(payloads))]
-        honest_terms = [self.strategy.terms(layout, p, messages, model)[0] for p in payloads[:ATTACKER]]
         honest_norms = [float(flat_tensors(p).norm()) for p in payloads[:ATTACKER]]
         length = rule.clip_ratio * max(statistics.median(honest_norms), history_references(history)[ATTACKER])
 
@@ -203,7 +194,7 @@ class Attacker:
             return dense_upload(genuine, length * (math.cos(theta) * across + math.sin(theta) * forward))
 
         def kept(theta: float) -> bool:
-            return self.kept(gram([*honest_terms, self.strategy.terms(layout, upload(theta), messages, model)[0]]), phase)
+            return self.kept([*payloads[:ATTACKER], upload(theta)], messages)
 
         low, high = 0.0, math.pi / 2
         if kept(low):
@@ -346,6 +337,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--no-agreement", action="store_true")
     parser.add_argument("--agreement-margin", type=float, default=None, help="beta (default: the rule's)")
     parser.add_argument("--standing-weight", type=float, default=None, help="lambda (default: the rule's)")
+    parser.add_argument("--momentum", type=float, default=None, help="mu, 0: agreement on each step's updates alone (default: the rule's)")
     parser.add_argument("--partition", choices=["iid", "dirichlet", "quantity"], default="iid", help="how the sites' data is split")
     parser.add_argument("--alpha", type=float, default=0.5, help="the Dirichlet concentration of a non-IID split")
     parser.add_argument("--per-step", action="store_true", help="agreement from each step alone, without the sites' standing")
@@ -361,7 +353,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     clip, agreement = (None, False) if args.off else (args.clip_ratio, not args.no_agreement)
     torch.set_num_threads(1)
     PARTITION.update(scheme=args.partition, alpha=args.alpha)
-    RULE.update({k: v for k, v in (("agreement_margin", args.agreement_margin), ("standing_weight", args.standing_weight)) if v is not None})
+    RULE.update({
+        k: v for k, v in (("agreement_margin", args.agreement_margin), ("standing_weight", args.standing_weight), ("momentum", args.momentum))
+        if v is not None
+    })
     rows = []
     for label in args.strategies:
         for seed in args.seeds:

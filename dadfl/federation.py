@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from dadfl.config import StrictModel
-from dadfl.strategies.robust import DEFAULT_AGREEMENT_MARGIN, DEFAULT_CLIP_RATIO, check_clip_ratio
+from dadfl.strategies.robust import DEFAULT_AGREEMENT_MARGIN, DEFAULT_CLIP_RATIO, DEFAULT_MOMENTUM, check_clip_ratio
 
 
 class FederationConfig(StrictModel):
@@ -45,6 +45,11 @@ class FederationConfig(StrictModel):
         DEFAULT_AGREEMENT_MARGIN, ge=0, le=10, description="how much more a site may push back (in median norms) than "
         "the other sites do on each other; raise it where one site's data differ much from all the others' (non-IID sites "
         "push back honestly: docs/robustness.md)"
+    )
+    agreement_momentum: float = Field(
+        DEFAULT_MOMENTUM, ge=0, lt=1, description="agreement reads each site's momentum of its updates (their sum over "
+        "the last steps, each step's weight this times the next's): a site cannot push the model back a little in every "
+        "step while each step alone looks honest; 0: each step's update alone (docs/robustness.md)"
     )
     quarantine_after: int = Field(
         3, ge=1, description="refused uploads after which a site is quarantined for the run (run_dir/quarantine.json; "

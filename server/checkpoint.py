@@ -2,7 +2,7 @@
 
 A checkpoint holds the model and optimizer state, the server strategy half's state at
 the start of the next step, the next step to run, the run id, the robust rule's standings of
-each site (its own and its peers') and its recent update norms (the clip's history), and the identity of the run
+each site (its own and its peers'), its recent update norms (the clip's history) and its momentum, and the identity of the run
 (workload, strategy, optimizer) so a restart with a different config is refused instead of
 silently mixing runs. Files are written to a temporary name, flushed to disk and renamed
 (``os.replace``), so a crash leaves either the old or the new checkpoint, never a torn one.
@@ -11,7 +11,8 @@ The checkpoint is a state file (``protos/state_file.py``): its tensors are writt
 the replica's own memory and read back into it one chunk at a time, so a checkpoint of a
 100M-parameter model with Adam (1.2 GB) costs no second copy of the state in memory
 (``torch.load`` would hold one). Its keys are the state payload's (``model/``, ``optim/``:
-``protos/state.py``) and ``strategy/<name>``; the next step, run id and identity are its
+``protos/state.py``), ``strategy/<name>`` and the sites' momenta (``strategy/robust-momentum/<k>``,
+the k-th of the meta's ``momenta``: site, phase, parameter); the next step, run id and identity are its
 JSON meta. The final model stays a ``torch.save`` of the state dict (``torch.save``
 writes a tensor's storage from its memory), for anyone's ``torch.load``.
 """
@@ -37,6 +38,7 @@ from dadfl.strategies.robust import CLIP_HISTORY_STEPS
 CHECKPOINT = "checkpoint.pt"
 FINAL_MODEL = "model.pt"
 STRATEGY_PREFIX = "strategy/"
+MOMENTUM_PREFIX = "robust-momentum/"  # under STRATEGY_PREFIX: the robust rule's momenta, not the strategy's state
 MAGIC = b"dadflck1"  # a checkpoint, version 1 of the state file layout
 
 
@@ -48,6 +50,7 @@ class Resumed:
     standing: dict[str, float]  # the robust rule's standing by site id (``Screening.standing``)
     peer_standing: dict[str, float]  # and its peers' standing (``Screening.peer_standing``)
     recent_norms: dict[str, dict[int, list[float]]]  # the clip's history by site id and phase (``Screening.recent_norms``)
+    momenta: dict[str, dict[int, dict[str, torch.Tensor]]]  # by site id, phase and parameter (``Screening.momenta``)
 
 
 def atomic_write(path: Path, write) -> None:
@@ -63,13 +66,18 @@ def atomic_write(path: Path, write) -> None:
 def save_checkpoint(
     run_dir: Path, replica: Replica, next_step: int, run_id: str, identity: dict, strategy_state: dict[str, torch.Tensor],
     standing: dict[str, float], recent_norms: dict[str, dict[int, list[float]]] | None = None, peer_standing: dict[str, float] | None = None,
+    momenta: dict[str, dict[int, dict[str, torch.Tensor]]] | None = None,
 ) -> None:
     state = state_payload(replica, next_step)
     state.tensors.update({STRATEGY_PREFIX + key: tensor.detach() for key, tensor in strategy_state.items()})
+    places = [(site, phase, name) for site, phases in (momenta or {}).items() for phase, held in phases.items() for name in held]
+    state.tensors.update({
+        f"{STRATEGY_PREFIX}{MOMENTUM_PREFIX}{k}": momenta[site][phase][name] for k, (site, phase, name) in enumerate(places)
+    })
     meta = json.dumps(
         {
             "next_step": next_step, "run_id": run_id, "identity": identity, "standing": standing, "recent_norms": recent_norms or {},
-            "peer_standing": peer_standing or {},
+            "peer_standing": peer_standing or {}, "momenta": places,
         }
     ).encode()  # floats as repr: they read back to the bit
     atomic_write(run_dir / CHECKPOINT, lambda file: write_state(file, state, meta, MAGIC))
@@ -98,15 +106,17 @@ def resume(run_dir: Path, replica: Replica, identity: dict) -> Resumed | None:
                 f"{path} belongs to a run with a different {', '.join(differing)}; "
                 "use a new run_dir, or restore the config that wrote the checkpoint"
             )
-        strategy_state = fill_state(replica, file, MAGIC, STRATEGY_PREFIX)
+        extra = fill_state(replica, file, MAGIC, STRATEGY_PREFIX)
+    saved_momenta = {key[len(MOMENTUM_PREFIX):]: extra.pop(key) for key in list(extra) if key.startswith(MOMENTUM_PREFIX)}
+    momenta = checked_momenta(saved.get("momenta", []), saved_momenta, replica, path)
     if not all(all_finite(tensor) for tensor in replica.model.state_dict().values()):  # the coordinator never writes one
         raise ValueError(
             f"{path} holds non-finite weights, so the run cannot resume from it (no site is at fault); "
             "use a new run_dir, or restore a checkpoint written before the model went non-finite"
         )
     return Resumed(
-        saved["next_step"], saved["run_id"], strategy_state, checked_standing(saved.get("standing", {}), path),
-        checked_standing(saved.get("peer_standing", {}), path), checked_recent_norms(saved.get("recent_norms", {}), path),
+        saved["next_step"], saved["run_id"], extra, checked_standing(saved.get("standing", {}), path),
+        checked_standing(saved.get("peer_standing", {}), path), checked_recent_norms(saved.get("recent_norms", {}), path), momenta,
     )
 
 
@@ -134,6 +144,33 @@ def checked_recent_norms(saved: object, path: Path) -> dict[str, dict[int, list[
     )):
         raise ValueError(f"{path} holds a malformed robust clip history; use a new run_dir, or restore a good copy of it")
     return {site: {int(phase): [float(v) for v in norms] for phase, norms in phases.items()} for site, phases in saved.items()}
+
+
+def checked_momenta(
+    places: object, tensors: dict[str, torch.Tensor], replica: Replica, path: Path
+) -> dict[str, dict[int, dict[str, torch.Tensor]]]:
+    """The sites' momenta as a checkpoint holds them: the meta names (site id, phase, name) for
+    each tensor, in order; each tensor flat, float32, finite, one size per name, at most a
+    model's elements (a name is a parameter's or a strategy's factored matrix's)."""
+    most = sum(param.numel() for param in replica.model.parameters())
+
+    def place_ok(place: object) -> bool:
+        return (
+            isinstance(place, list) and len(place) == 3 and isinstance(place[0], str) and isinstance(place[1], int)
+            and not isinstance(place[1], bool) and 0 <= place[1] < 1000 and isinstance(place[2], str) and len(place[2]) <= 1000
+        )
+
+    if not (isinstance(places, list) and all(place_ok(place) for place in places) and sorted(tensors) == sorted(map(str, range(len(places))))):
+        raise ValueError(f"{path} holds a malformed robust momentum; use a new run_dir, or restore a good copy of it")
+    momenta: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    sizes: dict[str, int] = {}
+    for k, (site, phase, name) in enumerate(places):
+        tensor = tensors[str(k)].cpu()
+        size = sizes.setdefault(name, tensor.numel())
+        if tensor.dtype != torch.float32 or tensor.dim() != 1 or tensor.numel() != size or size > most or not all_finite(tensor):
+            raise ValueError(f"{path} holds a malformed robust momentum; use a new run_dir, or restore a good copy of it")
+        momenta.setdefault(site, {}).setdefault(phase, {})[name] = tensor
+    return momenta
 
 
 def trim_metrics(path: Path, next_step: int) -> None:

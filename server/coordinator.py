@@ -85,6 +85,7 @@ class Coordinator(Admission, SiteStreams, PhaseUploads, StepLoop, cpb_grpc.Coord
         self.screening = Screening(
             self.replica, federation.max_influence_ratio, federation.max_update_norm, self.codec,
             None if private else federation.clip_ratio, federation.agreement and not private, federation.agreement_margin,
+            momentum=federation.agreement_momentum,
         )
         self.run_dir = Path(config.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -115,7 +116,7 @@ class Coordinator(Admission, SiteStreams, PhaseUploads, StepLoop, cpb_grpc.Coord
         self.run_id = resumed.run_id if resumed else uuid.uuid4().hex[:12]
         if resumed:
             self.screening.standing, self.screening.recent_norms = resumed.standing, resumed.recent_norms
-            self.screening.peer_standing = resumed.peer_standing
+            self.screening.peer_standing, self.screening.momenta = resumed.peer_standing, resumed.momenta
             log.info("resuming run %s at step %d from %s", self.run_id, self.step, self.run_dir / checkpoint.CHECKPOINT)
         checkpoint.trim_metrics(self.run_dir / "metrics.jsonl", self.step)
         self.fingerprint = weights_fingerprint(self.replica.model)

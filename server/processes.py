@@ -105,7 +105,8 @@ def server_config_file(config: SimulationConfig, spec: StrategySpec, folder: Pat
             "federation": {
                 "min_sites": config.sites, "initial_sites": config.sites, "linger_s": 0,
                 "clip_ratio": config.clip_ratio, "agreement": config.agreement,
-                "agreement_margin": config.agreement_margin, "phase_timeout_s": config.phase_timeout_s,
+                "agreement_margin": config.agreement_margin, "agreement_momentum": config.agreement_momentum,
+                "phase_timeout_s": config.phase_timeout_s,
             },
             **({"dp": {**config.dp.model_dump(exclude_none=True), "max_sample_rate": dp_sample_rate(config)}} if config.dp else {}),
         },

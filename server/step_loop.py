@@ -477,7 +477,7 @@ class StepLoop:
         checkpoint.save_checkpoint(
             self.run_dir, self.replica, self.step, self.run_id, self.identity,
             {**self.half_at_step_start, **(self.privacy.state_dict() if self.privacy else {})}, self.screening.standing,
-            self.screening.recent_norms, self.screening.peer_standing,
+            self.screening.recent_norms, self.screening.peer_standing, self.screening.momenta,
         )
         self.checkpoint_step = self.step
 

@@ -226,6 +226,13 @@ class Strategy:
         that phase is then clipped only."""
         return True
 
+    def terms_in_parameters(self, step: int, phase: int) -> bool:
+        """Whether the update terms of ``phase`` of ``step`` (``terms``) are the site's update in
+        parameter space, so that a site's updates add up across steps (the robust rule's
+        momentum, ``robust.py``); False where they are coordinates in a basis that changes
+        every step (PowerSGD's P_s, Q_s): agreement then reads the step alone."""
+        return True
+
     def chooses_basis(self, step: int, phase: int) -> bool:
         """Whether ``phase`` of ``step`` only chooses a basis: its aggregate is orthonormalised
         (PowerSGD's P̂ = orth(Σ P_s)), so scaling a site there changes its share of the

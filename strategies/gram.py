@@ -19,6 +19,11 @@ limit cannot overflow):
     ⟨lookups_i, D_jᵀA_j⟩  = Σ_u S_i[u] · (D_jᵀA_j)[u]          only the rows i looked up
     ⟨dense, D_jᵀA_j⟩      = ⟨dense, D_jᵀA_j formed⟩            as large as the dense term already is
 
+:func:`formed` turns a site's terms into its update in parameter space, one flat float64
+vector per parameter (or factored matrix): what the robust rule's momentum adds up across
+steps (inner products within one step need no forming; across steps they do, since the
+factors change every step).
+
 A norm is the inner product of a site's terms with themselves (``sq_norm``): the
 contribution bound and the robust rule (``robust.py``) read the same numbers. A pair of
 forms with no rule here (a low-rank term against a dense one: a layer one site's batch
@@ -146,6 +151,35 @@ def inner(a: Term, b: Term) -> float:
 def terms_inner(x: Terms, y: Terms) -> float:
     """⟨x, y⟩ over every parameter both hold (a parameter one of them lacks adds nothing)."""
     return math.fsum(inner(a, b) for name in x.keys() & y.keys() for a in x[name] for b in y[name])
+
+
+def formed(x: Terms, numels: dict[str, int]) -> dict[str, torch.Tensor]:
+    """Each parameter's (factored matrix's) update as one flat float64 vector (mean units, weights
+    applied), its terms summed: Dᵀ A and P Qᵀ of every group in order, lookups scattered into the
+    table's rows (``numels``: a table's number of elements, by name). Terms of one name whose
+    sizes differ raise ``UnpairedForms``."""
+    out = {}
+    for name, held in x.items():
+        total = None
+        for term in held:
+            if isinstance(term, Dense):
+                vector = term.tensor.double().reshape(-1)
+            elif isinstance(term, Factors):
+                vector = term.formed().reshape(-1)
+            elif isinstance(term, LowRank):
+                vector = (term.P.double() @ term.Q.double().transpose(-2, -1)).reshape(-1)
+            else:
+                width, numel = term.sums.shape[-1], numels.get(name, 0)
+                rows = numel // width if width else 0
+                if len(term.ids) and int(term.ids[-1]) >= rows:
+                    raise UnpairedForms(f"{name!r}: a lookup past the table's {rows} rows")
+                vector = torch.zeros(rows, width, dtype=torch.float64).index_copy_(0, term.ids, term.sums).reshape(-1)
+            if total is not None and vector.numel() != total.numel():
+                raise UnpairedForms(f"{name!r}: terms of {total.numel()} and {vector.numel()} elements")
+            total = vector * term.weight if total is None else total + vector * term.weight
+        if total is not None:
+            out[name] = total
+    return out
 
 
 STACKED_ELEMENTS = 1 << 20  # the most elements sq_norms squares as one stack (8 MiB in float64)

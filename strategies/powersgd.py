@@ -509,6 +509,10 @@ class PowerSGD(Strategy):
             return True
         return phase == 1 and self.memory == "site"
 
+    def terms_in_parameters(self, step: int, phase: int) -> bool:
+        """Dense warm-up steps only: P_s and Q_s are coordinates in this step's basis."""
+        return not self.compresses(step)
+
     def chooses_basis(self, step: int, phase: int) -> bool:
         """Phase 0 of a compressed step with the site memory: P̂ = orth(Σ_s (n_s/N) P_s) is
         orthonormalised, so a site's factor there sets its share of the basis, not the step's

@@ -73,10 +73,28 @@ samples of the sites of nonzero weight.
    The standings are the coordinator's state (its checkpoint keeps them: a resumed run is
    bit-identical); a site keeps them across disconnects, so leaving and rejoining resets nothing.
 
-   What it does not bound: a site kept pulls forward only along the others' sum; the rest of
-   its update is bounded by the clip alone. An attacker that negates the part of its own
-   gradient orthogonal to the others' sum, with just enough pull to be kept, is inside the
-   rule (``docs/robustness.md``, "The attacker across the others' sum").
+   **Momentum** (μ = ``momentum``, with site ids, where the strategy's terms are the update in
+   parameter space: ``Strategy.terms_in_parameters``): the push-backs above are measured on
+   the sites' momenta instead of this step's updates,
+
+       m_i' = μ m_i + a_i g_i,      ⟨m_i', m_j'⟩ = μ² ⟨m_i, m_j⟩ + μ (a_j ⟨m_i, g_j⟩ + a_i ⟨m_j, g_i⟩) + a_i a_j G_ij
+
+   (:class:`Momentum`: the coordinator forms each site's update in parameter space,
+   ``gram.formed``, and keeps m_i); m_i records what site i sent, clipped, zeroed or not,
+   so an honest site zeroed once recovers and a zeroed attacker's past stays on its record.
+   Why: agreement on one step measures a site only along that step's others' sum, and an
+   honest gradient is mostly noise across it (cosine about 0.3), so an attacker that
+   undoes its own gradient's part *across* the others' sum looks honest in every step.
+   Over steps the honest noise cancels and the common direction adds up: the momenta of
+   honest sites pull each other forward strongly (about −0.8 against −0.3 for one step),
+   and an attacker's past undoing shows against the others' later progress. The bound is
+   then r_i + β alone (``MOMENTUM_PULL_SHARE`` 1: the share below is for one step's noisy
+   pull). Without momentum (μ = 0, no site ids, PowerSGD's compressed steps, a federation
+   above ``MAX_MOMENTUM_ELEMENTS`` in ``screening.py``) the rule reads each step's updates.
+
+   What it does not bound: a site kept pulls forward along the others' momenta as they do;
+   what it sends across them is bounded by the clip alone (``docs/robustness.md``, "The
+   attacker across the others' sum").
 
 s_i = a_i · w_i. A clean step (every site within c× the others' median and its agreement
 bound) gives every site 1: the coordinator then aggregates the uploads untouched.
@@ -88,6 +106,8 @@ coordinator turns the rule off with ``[dp]``; per-sample clipping bounds each si
 Tuning: ``CLIP_HISTORY_STEPS`` and ``CLIP_QUANTILE`` say what an honest spike is: a site
 may send c times what the others' recent norms reached one step in ten. ``standing_weight``
 (λ) is how long a site's past counts (about 1 / (1 − λ) steps); 0 is the per-step rule.
+``momentum`` (μ, ``federation.agreement_momentum``) how many steps of a site's updates add up
+before they are weighed (about 1 / (1 − μ)); 0 weighs each step's updates.
 ``clip_ratio`` (c) trades how much one site can move the model (c honest contributions)
 against how often honest sites are clipped; ``agreement_margin`` (β,
 ``federation.agreement_margin``) how much more a site may push back on average than its peers
@@ -118,6 +138,8 @@ DEFAULT_STANDING_WEIGHT = 0.9  # the weight of a site's past steps in its score,
 # The least share of its peers' pull forward a site keeps within its bound (module text, step 2),
 # measured: docs/robustness.md
 MIN_PULL_SHARE = 1 / 3
+MOMENTUM_PULL_SHARE = 1.0  # the same on momenta, whose pull is steadier: r_i + β alone, measured: docs/robustness.md
+DEFAULT_MOMENTUM = 0.9  # μ, measured: docs/robustness.md
 # The clip's reference from history (module text, step 1), measured: docs/robustness.md
 CLIP_HISTORY_STEPS = 50  # a site's norms kept, its last committed steps
 CLIP_QUANTILE = 0.9
@@ -133,6 +155,26 @@ def check_clip_ratio(value: float) -> float:
 
 
 @dataclass(frozen=True)
+class Momentum:
+    """The sites' momenta before this step, as the agreement rule reads them (module text, step 2):
+    ``before[i][j]`` = ⟨m_i, m_j⟩ and ``with_update[i][j]`` = ⟨m_i, g_j⟩, g_j this step's update
+    (G's), μ = ``weight``. A site with no momentum yet has a row and column of zeros."""
+
+    weight: float
+    before: list[list[float]]
+    with_update: list[list[float]]
+
+    def gram(self, clip: Sequence[float], G: list[list[float]]) -> list[list[float]]:
+        """⟨m_i', m_j'⟩ with m_i' = μ m_i + a_i g_i: the momenta after this step, each site's
+        update clipped by ``clip``."""
+        mu, M, C, S = self.weight, self.before, self.with_update, len(clip)
+        return [
+            [mu * mu * M[i][j] + mu * (clip[j] * C[i][j] + clip[i] * C[j][i]) + clip[i] * clip[j] * G[i][j] for j in range(S)]
+            for i in range(S)
+        ]
+
+
+@dataclass(frozen=True)
 class Weights:
     """Per site: the factor applied, the clip part a_i, whether agreement zeroed it."""
 
@@ -145,6 +187,7 @@ class Weights:
     # per site, the median push-back of the kept sites other than it among themselves (None where
     # fewer than 2 of them are kept): what its peers' standing follows
     peer_push_backs: list[float | None] | None = None
+    clip: list[float] | None = None  # each site's a_i (1: not clipped), zeroed or not: what its momentum records
 
     @property
     def untouched(self) -> bool:
@@ -160,12 +203,14 @@ def robust_weights(
     standing_weight: float = DEFAULT_STANDING_WEIGHT,
     recent_norms: Sequence[Sequence[float]] | None = None,
     peer_standing: Sequence[float] | None = None,
+    momentum: Momentum | None = None,
 ) -> Weights:
     """The rule above on the Gram matrix ``G``; ``clip_ratio`` None or 0: no clipping.
     ``standing`` and ``peer_standing``: each site's standing and its peers' before this step
     (0 for a site not seen before; ``peer_standing`` None: all 0); ``standing`` None: the step
     alone decides (λ = 0, the peers as they are this step). ``recent_norms``: each site's norms
-    in its last committed steps, oldest first (H_i); None: this step's median alone."""
+    in its last committed steps, oldest first (H_i); None: this step's median alone.
+    ``momentum``: the sites' momenta before this step; agreement then reads them (module text)."""
     S = G.shape[0]
     if not bool(torch.isfinite(G).all()):
         raise ValueError("the sites' Gram matrix is not finite")
@@ -185,8 +230,12 @@ def robust_weights(
     push_backs: list[float] | None = None
     peer_push_backs: list[float | None] | None = None
     if agreement:
-        clipped = [[clip[i] * clip[j] * inner[i][j] for j in range(S)] for i in range(S)]
+        if momentum is not None:
+            clipped = momentum.gram(clip, inner)
+        else:
+            clipped = [[clip[i] * clip[j] * inner[i][j] for j in range(S)] for i in range(S)]
         remaining = list(range(S))  # a site that adds nothing is judged too: it pushes back by 0
+        share = MIN_PULL_SHARE if momentum is None else MOMENTUM_PULL_SHARE
         if standing is None:  # the step alone decides: the peers as they are this step, among all sites
             past, weight, peers = [0.0] * S, 0.0, [value or 0.0 for value in _peer_push_backs(clipped, remaining)]
         else:
@@ -194,7 +243,7 @@ def robust_weights(
             peers = list(peer_standing) if peer_standing is not None else [0.0] * S
         while len(remaining) >= 3:
             push = _push_backs(clipped, remaining)
-            over = {i: updated_standing(past[i], push[i], weight) - agreement_bound(peers[i], agreement_margin) for i in remaining}
+            over = {i: updated_standing(past[i], push[i], weight) - agreement_bound(peers[i], agreement_margin, share) for i in remaining}
             worst = max(remaining, key=lambda i: (over[i], -i))
             if over[worst] < 0:
                 break
@@ -206,7 +255,7 @@ def robust_weights(
             push_backs = [kept.get(i, left_out.get(i, 0.0)) for i in range(S)]
             peer_push_backs = _peer_push_backs(clipped, remaining)
     factors = [0.0 if i in disagreeing else clip[i] for i in range(S)]
-    return Weights(factors, [i for i in range(S) if clip[i] < 1.0], disagreeing, push_backs, norms, peer_push_backs)
+    return Weights(factors, [i for i in range(S) if clip[i] < 1.0], disagreeing, push_backs, norms, peer_push_backs, clip)
 
 
 def history_references(recent_norms: Sequence[Sequence[float]]) -> list[float]:
@@ -233,11 +282,11 @@ def recorded_norms(before: Sequence[float], norm: float) -> list[float]:
     return [*before, norm][-CLIP_HISTORY_STEPS:]
 
 
-def agreement_bound(peer_standing: float, agreement_margin: float = DEFAULT_AGREEMENT_MARGIN) -> float:
+def agreement_bound(peer_standing: float, agreement_margin: float = DEFAULT_AGREEMENT_MARGIN, pull_share: float = MIN_PULL_SHARE) -> float:
     """The score at which a site whose peers' standing is ``peer_standing`` gets weight 0: past
     its peers by β, or, where they pull each other forward strongly, keeping less than
     ``MIN_PULL_SHARE`` of their pull (module text, step 2)."""
-    return max(peer_standing + agreement_margin, MIN_PULL_SHARE * peer_standing)
+    return max(peer_standing + agreement_margin, pull_share * peer_standing)
 
 
 def updated_standing(before: float, push_back: float, standing_weight: float = DEFAULT_STANDING_WEIGHT) -> float:

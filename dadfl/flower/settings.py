@@ -24,7 +24,8 @@ from .policy import cached_workload
 # The ServerApp's bounds on replies: ``dadfl server``'s [federation] and [wire] fields of these names.
 BOUND_FIELDS = {
     "max_influence_ratio": FederationConfig, "max_update_norm": FederationConfig, "clip_ratio": FederationConfig,
-    "agreement": FederationConfig, "agreement_margin": FederationConfig, "max_payload_bytes": WireConfig,
+    "agreement": FederationConfig, "agreement_margin": FederationConfig, "agreement_momentum": FederationConfig,
+    "max_payload_bytes": WireConfig,
 }
 # Keys a Flower run config may set besides the SimulationConfig fields (dashes or underscores).
 RUN_CONFIG_EXTRAS = ("config", "strategy", "out", *BOUND_FIELDS)
@@ -56,6 +57,7 @@ class ServerBounds:
     clip_ratio: float = FederationConfig().clip_ratio
     agreement: bool = FederationConfig().agreement
     agreement_margin: float = FederationConfig().agreement_margin
+    agreement_momentum: float = FederationConfig().agreement_momentum
 
     @classmethod
     def from_values(cls, values: dict[str, Any], source: str) -> "ServerBounds":

@@ -16,7 +16,8 @@ step, attempt, phase, model version, sample count). Then, over all uploads of th
    median of the others' norms or, when larger, of their recent norms' 0.9 quantiles, 0 for a
    site that pushes the model back along the others' sum, on average over its recent steps,
    by ``agreement_margin`` × their median norm more than the other sites do among themselves
-   (``agreement``) — and each
+   (``agreement``), measured on each site's momentum of its clipped updates (``momentum``;
+   kept here by site id, phase and parameter, in float32) — and each
    upload scaled by its factor (``Strategy.scale``). Factors decided in a step's earlier
    phases bound the later ones', except those of a phase that only chooses a basis
    (``Strategy.chooses_basis``, PowerSGD's P_s: clipped to the others' median norm, no
@@ -56,9 +57,10 @@ from dadfl.replica import Decoded, Replica
 from dadfl.sanitize import printable
 from dadfl.strategies import Payload
 from dadfl.strategies.checks import ModelFacts, all_finite, check_update, finite_flags, influence_outliers
-from dadfl.strategies.gram import UnpairedForms, gram, sq_norm, sq_norms
+from dadfl.strategies.gram import STACKED_ELEMENTS, UnpairedForms, formed, gram, sq_norm, sq_norms
 from dadfl.strategies.robust import (
-    BASIS_CLIP_RATIO, DEFAULT_AGREEMENT_MARGIN, DEFAULT_CLIP_RATIO, DEFAULT_STANDING_WEIGHT, recorded_norms, robust_weights, updated_standing,
+    BASIS_CLIP_RATIO, DEFAULT_AGREEMENT_MARGIN, DEFAULT_CLIP_RATIO, DEFAULT_MOMENTUM, DEFAULT_STANDING_WEIGHT, Momentum, Weights,
+    recorded_norms, robust_weights, updated_standing,
 )
 
 log = logging.getLogger(__name__)
@@ -71,6 +73,10 @@ MAX_AGREEMENT_SITES = 32
 # percent of steps, with label skew in up to 85% (docs/robustness.md).
 ZEROED_WINDOW = 50
 ZEROED_WARN_SHARE = 0.3
+# The most elements (sites × parameters) of momenta the coordinator keeps, in float32 (256 MiB,
+# and each phase forms the sites' updates in float64 beside them: 512 MiB); a federation above
+# it is weighed on each step's updates alone (``Screening.momentum``), and told so once.
+MAX_MOMENTUM_ELEMENTS = 1 << 26
 
 
 def nonfinite_reason(loss_sum: float, payload: Payload) -> str | None:
@@ -142,6 +148,7 @@ class Screening:
     agreement: bool = True
     agreement_margin: float = DEFAULT_AGREEMENT_MARGIN  # β (``robust.py``)
     standing_weight: float = DEFAULT_STANDING_WEIGHT  # λ (``robust.py``)
+    momentum: float = DEFAULT_MOMENTUM  # μ (``robust.py``); 0: agreement on each step's updates alone
     facts: ModelFacts = field(init=False)
     # The step's factors so far (its earlier phases bound the later ones), and what the
     # metrics record of them: reset by each step's (each attempt's) phase 0.
@@ -158,12 +165,17 @@ class Screening:
     # Each site's update norms in its last committed steps, by site id and phase (the clip's
     # history, ``robust.py``): also what a checkpoint keeps.
     recent_norms: dict[str, dict[int, list[float]]] = field(init=False, default_factory=dict)
+    # Each site's momentum of its clipped updates (``robust.py``), by site id, phase and parameter,
+    # flat float32 in parameter space: also what a checkpoint keeps.
+    momenta: dict[str, dict[int, dict[str, torch.Tensor]]] = field(init=False, default_factory=dict)
     # The sites agreement zeroed in each of the last committed steps (the operator's warning).
     zeroed_recently: list[frozenset[str]] = field(init=False, default_factory=list)
     zeroed_warned_until: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         self.facts = ModelFacts.from_model(self.replica.model, self.replica.layout)
+        self.numels = {name: math.prod(shape) for name, (shape, _) in self.facts.params.items()}
+        self.momentum_warned = False  # a step without momentum is told once
         try:
             self.strategy.upload_units(self.replica.layout, self.facts, 0, 0, self.replica.model)
         except NotImplementedError:
@@ -239,13 +251,29 @@ class Screening:
     ) -> list[Payload]:
         """The uploads scaled by the robust rule's factors (module text, step 2); ``remember``:
         keep the factors for the step's later phases and the metrics (not for trial runs).
-        ``sites``: the uploads' site ids, whose standing the rule reads (None: this step alone
-        decides); their new standing takes effect when the runtime commits the step (``commit``)."""
+        ``sites``: the uploads' site ids, whose standing and momentum the rule reads (None: this
+        step alone decides); what it measured takes effect when the runtime commits the step (``commit``)."""
         if sites is not None and len(sites) != len(payloads):
             raise ValueError(f"{len(sites)} site ids for {len(payloads)} uploads: name every upload's site, in order")
         if len(payloads) < 2 or (not self.clip_ratio and not self.agreement):
             return list(payloads)
+        rule = self._rule(payloads, messages, sites)
+        weights, factors = rule["weights"], rule["factors"]
+        if remember:
+            self._remember(rule, payloads[0].step, payloads[0].phase, sites)
+        # A site of weight 0 leaves the phase's aggregate and its sample count, as if it had not
+        # sent: the others' mean is not diluted by it.
+        kept = [(payload, factor) for payload, factor in zip(payloads, factors) if factor > 0.0]
         strategy, layout = self.strategy, self.replica.layout
+        return [payload if factor == 1.0 else strategy.scale(layout, payload, factor) for payload, factor in kept]
+
+    def weights(self, payloads: Sequence[Payload], messages: Sequence[Payload], sites: Sequence[str] | None = None) -> Weights:
+        """What the rule decides for these uploads, as :meth:`weigh` would, nothing kept: the
+        factors of this phase alone (an earlier phase's bind them further in ``weigh``)."""
+        return self._rule(payloads, messages, sites)["weights"]
+
+    def _rule(self, payloads: Sequence[Payload], messages: Sequence[Payload], sites: Sequence[str] | None) -> dict:
+        strategy = self.strategy
         terms = [self._update_terms(payload, messages) for payload in payloads]
         step, phase = payloads[0].step, payloads[0].phase
         agreement = self.agreement and strategy.uploads_agree(step, phase) and len(payloads) <= MAX_AGREEMENT_SITES
@@ -268,45 +296,111 @@ class Screening:
         recent = earlier.get("recent_norms", self.recent_norms) if earlier else self.recent_norms
         # a phase that only chooses a basis is clipped by this step's median alone (BASIS_CLIP_RATIO)
         history = [recent.get(site, {}).get(phase, []) for site in sites] if sites is not None and clip_ratio and not basis else None
-        weights = robust_weights(G, clip_ratio, agreement, self.agreement_margin, before, self.standing_weight, history, peers_before)
+        updates = momentum = None
+        if before is not None and self._momentum_fits(len(sites)) and strategy.terms_in_parameters(step, phase):
+            try:
+                updates = [formed(t, self.numels) for t in terms]
+                momentum = self._momentum([self.momenta.get(site, {}).get(phase, {}) for site in sites], updates)
+            except UnpairedForms as exc:  # this step's agreement reads the step alone
+                updates = None
+                if not self.momentum_warned:
+                    log.warning("step %d phase %d: agreement on this step alone, no momentum (%s); told once", step, phase, exc)
+                    self.momentum_warned = True
+        weights = robust_weights(
+            G, clip_ratio, agreement, self.agreement_margin, before, self.standing_weight, history, peers_before, momentum
+        )
         names = list(sites) if sites is not None else None
         here = _positions(earlier, names, len(payloads)) if earlier else {}  # earlier index -> this phase's
         factors = list(weights.factors)
         for i, j in here.items():  # a site refused between the phases is gone; the others keep their bound
             factors[j] = min(factors[j], earlier["factors"][i])
-        if remember:
-            def mapped(key: str) -> set[int]:  # an earlier phase's sites of ``key``, at their places in this phase
-                return {here[i] for i in earlier.get(key, ()) if i in here} if earlier else set()
+        return {
+            "weights": weights, "factors": factors, "earlier": earlier, "here": here, "basis": basis, "standing": standing,
+            "peer_standing": peer_standing, "before": before, "peers_before": peers_before, "recent": recent, "history": history,
+            "updates": updates,
+        }
 
-            clipped, disagreeing = set(weights.clipped) | mapped("clipped"), set(weights.disagreeing) | mapped("disagreeing")
-            basis_clipped = mapped("basis_clipped")
-            if basis:  # its factors bind no later phase; the sites it clipped are recorded apart
-                basis_clipped, clipped = basis_clipped | clipped, set()
-            self.weighed = {
-                "step": step, "sites": names, "factors": [1.0] * len(factors) if basis else factors, "clipped": sorted(clipped),
-                "disagreeing": sorted(disagreeing), "basis_clipped": sorted(basis_clipped),
-            }
-            if before is not None and weights.push_backs is not None:
-                standing, peer_standing = dict(standing), dict(peer_standing)
-                standing.update({site: updated_standing(b, push, self.standing_weight) for site, b, push in zip(sites, before, weights.push_backs)})
-                peer_standing.update({
-                    site: updated_standing(b, push, self.standing_weight)
-                    for site, b, push in zip(sites, peers_before, weights.peer_push_backs) if push is not None
-                })
-            if standing is not self.standing:
-                self.weighed["standing"] = standing
-            if peer_standing is not self.peer_standing:
-                self.weighed["peer_standing"] = peer_standing
-            if history is not None:
-                recent = dict(recent)
-                for site, past, norm in zip(sites, history, weights.norms):
-                    recent[site] = {**recent.get(site, {}), phase: recorded_norms(past, norm)}
-            if recent is not self.recent_norms:
-                self.weighed["recent_norms"] = recent
-        # A site of weight 0 leaves the phase's aggregate and its sample count, as if it had not
-        # sent: the others' mean is not diluted by it.
-        kept = [(payload, factor) for payload, factor in zip(payloads, factors) if factor > 0.0]
-        return [payload if factor == 1.0 else strategy.scale(layout, payload, factor) for payload, factor in kept]
+    def _momentum_fits(self, sites: int) -> bool:
+        if not self.momentum:
+            return False
+        if sites * sum(self.numels.values()) <= MAX_MOMENTUM_ELEMENTS:
+            return True
+        if not self.momentum_warned:
+            log.warning(
+                "%d sites x %d parameters is above the %d elements of momenta the coordinator keeps: agreement reads each "
+                "step alone (docs/robustness.md); told once", sites, sum(self.numels.values()), MAX_MOMENTUM_ELEMENTS,
+            )
+            self.momentum_warned = True
+        return False
+
+    def _momentum(self, momenta: list[dict[str, torch.Tensor]], updates: list[dict[str, torch.Tensor]]) -> Momentum:
+        """⟨m_i, m_j⟩ and ⟨m_i, g_j⟩ of the sites' momenta (float32, as kept) and this step's
+        updates, in float64, one stacked product per parameter; a name held at two sizes raises
+        ``UnpairedForms``."""
+        S = len(updates)
+        before = torch.zeros(S, S, dtype=torch.float64)
+        with_update = torch.zeros(S, S, dtype=torch.float64)
+        for name in sorted({name for held in (*momenta, *updates) for name in held}):
+            sizes = {held[name].numel() for held in (*momenta, *updates) if name in held}
+            if len(sizes) > 1:
+                raise UnpairedForms(f"{name!r} held at sizes {sorted(sizes)}")
+            size = sizes.pop()
+            width = max(1, STACKED_ELEMENTS // S)  # a slice of every site's at a time: bounded memory for any layer
+            for start in range(0, size, width):
+                part = slice(start, min(size, start + width))
+                zeros = torch.zeros(part.stop - start, dtype=torch.float64)
+                kept = torch.stack([m[name][part].double() if name in m else zeros for m in momenta])
+                now = torch.stack([g[name][part] if name in g else zeros for g in updates])
+                before += kept @ kept.T
+                with_update += kept @ now.T
+        return Momentum(self.momentum, before.tolist(), with_update.tolist())
+
+    def _remember(self, rule: dict, step: int, phase: int, sites: Sequence[str] | None) -> None:
+        weights, factors, earlier, here = rule["weights"], rule["factors"], rule["earlier"], rule["here"]
+        standing, peer_standing, before, peers_before = rule["standing"], rule["peer_standing"], rule["before"], rule["peers_before"]
+        recent, history, basis = rule["recent"], rule["history"], rule["basis"]
+        names = list(sites) if sites is not None else None
+
+        def mapped(key: str) -> set[int]:  # an earlier phase's sites of ``key``, at their places in this phase
+            return {here[i] for i in earlier.get(key, ()) if i in here} if earlier else set()
+
+        clipped, disagreeing = set(weights.clipped) | mapped("clipped"), set(weights.disagreeing) | mapped("disagreeing")
+        basis_clipped = mapped("basis_clipped")
+        if basis:  # its factors bind no later phase; the sites it clipped are recorded apart
+            basis_clipped, clipped = basis_clipped | clipped, set()
+        self.weighed = {
+            "step": step, "sites": names, "factors": [1.0] * len(factors) if basis else factors, "clipped": sorted(clipped),
+            "disagreeing": sorted(disagreeing), "basis_clipped": sorted(basis_clipped),
+        }
+        if before is not None and weights.push_backs is not None:
+            standing, peer_standing = dict(standing), dict(peer_standing)
+            standing.update({site: updated_standing(b, push, self.standing_weight) for site, b, push in zip(sites, before, weights.push_backs)})
+            peer_standing.update({
+                site: updated_standing(b, push, self.standing_weight)
+                for site, b, push in zip(sites, peers_before, weights.peer_push_backs) if push is not None
+            })
+        if standing is not self.standing:
+            self.weighed["standing"] = standing
+        if peer_standing is not self.peer_standing:
+            self.weighed["peer_standing"] = peer_standing
+        if history is not None:
+            recent = dict(recent)
+            for site, past, norm in zip(sites, history, weights.norms):
+                recent[site] = {**recent.get(site, {}), phase: recorded_norms(past, norm)}
+        if recent is not self.recent_norms:
+            self.weighed["recent_norms"] = recent
+        if rule["updates"] is not None:  # what each site sent, clipped, zeroed or not: an honest site zeroed once recovers
+            momenta = dict(earlier.get("momenta", self.momenta) if earlier else self.momenta)
+            for site, update, a in zip(sites, rule["updates"], weights.clip):
+                kept = momenta.get(site, {}).get(phase, {})
+                new = {}
+                for name in kept.keys() | update.keys():
+                    value = a * update[name] if name in update else torch.zeros(kept[name].numel(), dtype=torch.float64)
+                    if name in kept:
+                        value = value + self.momentum * kept[name].double()
+                    new[name] = value.float()
+                momenta[site] = {**momenta.get(site, {}), phase: new}
+            self.weighed["momenta"] = momenta
 
     def _sq_norms(self, payloads: Sequence[Payload], terms: Sequence) -> list[float]:
         """‖update‖² of each upload: as ``refusals`` measured them, else computed from ``terms``."""
@@ -330,6 +424,7 @@ class Screening:
         self.standing = weighed.get("standing", self.standing)
         self.peer_standing = weighed.get("peer_standing", self.peer_standing)
         self.recent_norms = weighed.get("recent_norms", self.recent_norms)
+        self.momenta = weighed.get("momenta", self.momenta)
         if len(weighed.get("factors", ())) != len(names):
             return {}
         self._watch_zeroed(step, [names[i] for i in weighed["disagreeing"]])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from dadfl.metrics import read_metrics
 from dadfl.server import checkpoint
@@ -62,6 +63,32 @@ def test_the_clip_history_resumes_to_the_bit_and_a_malformed_one_is_refused(tmp_
     ):
         checkpoint.save_checkpoint(config.run_dir, coordinator.replica, 3, "abc", coordinator.identity, {}, {}, malformed)
         with pytest.raises(ValueError, match="malformed robust clip history"):
+            Coordinator(config)
+
+
+def test_the_sites_momenta_resume_to_the_bit_and_a_malformed_one_is_refused(tmp_path):
+    """The robust rule's momenta (``Screening.momenta``: each site's, by phase and parameter, flat
+    float32) are coordinator state: a restarted coordinator reads them back to the bit, with the
+    configured μ, and refuses tensors that are not flat, finite float32 of one size per name."""
+    config = server_config(tmp_path, federation={"agreement_momentum": 0.8})
+    coordinator = Coordinator(config)
+    assert coordinator.screening.momentum == 0.8
+    generator = torch.Generator().manual_seed(0)
+    momenta = {
+        "site-a": {0: {"0.weight": torch.randn(6, generator=generator), "0.bias": torch.randn(2, generator=generator)}},
+        "site-b": {0: {"0.weight": torch.randn(6, generator=generator)}, 1: {"0.bias": torch.full((2,), 5e-38)}},
+    }
+    coordinator.screening.momenta = momenta
+    coordinator._save_checkpoint()  # as the step loop checkpoints
+    resumed = Coordinator(config).screening.momenta
+    assert {s: {p: sorted(h) for p, h in ph.items()} for s, ph in resumed.items()} == {s: {p: sorted(h) for p, h in ph.items()} for s, ph in momenta.items()}
+    assert all(torch.equal(resumed[s][p][n], t) for s, ph in momenta.items() for p, h in ph.items() for n, t in h.items())
+    for malformed in (
+        torch.tensor([float("nan"), 0.0]), torch.zeros(2, dtype=torch.float64), torch.zeros(1, 2), torch.zeros(3),
+    ):
+        bad = {**momenta, "site-c": {0: {"0.bias": malformed}}}
+        checkpoint.save_checkpoint(config.run_dir, coordinator.replica, 3, "abc", coordinator.identity, {}, {}, None, None, bad)
+        with pytest.raises(ValueError, match="malformed robust momentum"):
             Coordinator(config)
 
 

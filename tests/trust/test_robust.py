@@ -10,11 +10,11 @@ import torch
 
 from dadfl.strategies import make_strategy
 from dadfl.strategies.base import split_key
-from dadfl.strategies.gram import Dense, LowRank, UnpairedForms, gram, inner
+from dadfl.strategies.gram import Dense, Factors, Lookups, LowRank, UnpairedForms, formed, gram, inner
 from dadfl.strategies.quantize import unpack
 from dadfl.strategies.robust import (
     CLIP_HISTORY_STEPS, DEFAULT_AGREEMENT_MARGIN, DEFAULT_CLIP_RATIO, MIN_CLIP_HISTORY, MIN_PULL_SHARE, agreement_bound, history_references, recent_quantile,
-    recorded_norms, robust_weights,
+    Momentum, recorded_norms, robust_weights,
     updated_standing,
 )
 from tests.strategies.test_strategy_checks import WORKLOADS, federation
@@ -391,6 +391,98 @@ def test_the_screening_commits_a_steps_standing_and_norms_once_and_a_retried_att
     once, peers, recent = dict(screening.standing), dict(screening.peer_standing), dict(screening.recent_norms)
     screening.commit(0, names)  # committing again changes nothing
     assert screening.standing == once and screening.peer_standing == peers and screening.recent_norms == recent
+
+
+def test_formed_terms_are_the_update_in_parameter_space_and_a_wrong_size_says_so():
+    """``gram.formed``: each term form turned into its parameter's flat update (weights applied,
+    terms of one parameter summed), so inner products of formed updates are the terms' own."""
+    generator = torch.Generator().manual_seed(3)
+    A, D = torch.randn(2, 5, 4, generator=generator), torch.randn(2, 5, 3, generator=generator)
+    P, Q = torch.randn(2, 3, 2, generator=generator), torch.randn(2, 4, 2, generator=generator)
+    x = {"w": [Factors(A, D, 0.5), LowRank(P, Q)], "b": [Dense(torch.randn(3, generator=generator), 2.0)],
+         "emb": [Lookups.of(torch.tensor([4, 1, 4]), torch.randn(3, 2, generator=generator))]}
+    y = {"w": [Dense(torch.randn(2, 3, 4, generator=generator))], "emb": [Dense(torch.randn(6, 2, generator=generator))]}
+    numels = {"w": 24, "b": 3, "emb": 12}
+    fx, fy = formed(x, numels), formed(y, numels)
+    expected_w = 0.5 * torch.einsum("gnm,gnk->gmk", D.double(), A.double()) + P.double() @ Q.double().transpose(1, 2)
+    assert torch.allclose(fx["w"], expected_w.reshape(-1), rtol=1e-12)
+    assert torch.equal(fx["b"], 2.0 * x["b"][0].tensor.double())
+    assert float(fx["emb"] @ fy["emb"]) == pytest.approx(inner(x["emb"][0], y["emb"][0]), rel=1e-12)  # the rows of id 4 summed
+    assert float(fx["w"] @ fy["w"]) == pytest.approx(inner(x["w"][0], y["w"][0]) + float(fy["w"] @ (P.double() @ Q.double().transpose(1, 2)).reshape(-1)), rel=1e-12)
+    with pytest.raises(UnpairedForms, match="terms of 24 and 5 elements"):
+        formed({"w": [*y["w"], Dense(torch.randn(5))]}, numels)
+
+
+def test_momentum_gram_is_that_of_the_clipped_momenta_and_zeroes_a_site_whose_steps_alone_look_honest():
+    """``Momentum.gram`` is ⟨μ m_i + a_i g_i, μ m_j + a_j g_j⟩. A site whose step pulls forward a
+    little but whose past steps pushed the model back is kept by the step alone and zeroed on its
+    momentum; the honest sites keep weight 1 either way."""
+    generator = torch.Generator().manual_seed(0)
+    forward = torch.zeros(50, dtype=torch.float64)
+    forward[0] = 1.0
+    noise = lambda: 0.3 * torch.randn(50, generator=generator, dtype=torch.float64)  # noqa: E731
+    steps = [forward + noise() for _ in range(4)]  # every step alone honest-looking
+    momenta = [4 * forward + noise() for _ in range(3)] + [-4 * forward + noise()]
+    M, C, G = (torch.stack(x) @ torch.stack(y).T for x, y in ((momenta, momenta), (momenta, steps), (steps, steps)))
+    momentum = Momentum(0.9, M.tolist(), C.tolist())
+    clip = [1.0, 0.5, 1.0, 0.25]
+    after = torch.stack([0.9 * m + a * g for m, g, a in zip(momenta, steps, clip)])
+    assert torch.allclose(torch.tensor(momentum.gram(clip, G.tolist()), dtype=torch.float64), after @ after.T, rtol=1e-12)
+    alone = robust_weights(G, None, True)  # the step alone decides: its peers as they are this step
+    assert alone.factors == [1.0] * 4
+    with_momentum = robust_weights(G, None, True, momentum=momentum)
+    assert with_momentum.disagreeing == [3] and with_momentum.factors[:3] == [1.0] * 3
+    assert with_momentum.clip == [1.0] * 4
+
+
+def test_the_screening_keeps_each_sites_momentum_of_its_clipped_updates_from_commit_to_commit():
+    """Through the coordinator's screening and real dSGD uploads: a site's momentum after two
+    committed steps is μ a₁ g₁ + a₂ g₂ (its updates as sent, clipped, in parameter space, float32),
+    kept also for the site agreement zeroed; an attempt not committed leaves it as it was."""
+    from dadfl.trust.screening import Screening
+
+    strategy = make_strategy("dsgd")
+    coordinator, payloads, flipped = four_uploads(strategy)
+    uploads, names = [*payloads[:3], flipped], ["a", "b", "c", "d"]
+    screening = Screening(coordinator, 100.0, None, momentum=0.5)
+    layout, model = coordinator.layout, coordinator.model
+    sent = []
+    for step in range(2):  # the same uploads twice, each round committed (as step 0: the uploads' own)
+        screening.refusals(0, 0, uploads, [])
+        weights = screening.weights(uploads, [], names)
+        screening.message(strategy.server(layout, model), uploads, [], sites=names)
+        if step == 0:
+            assert screening.momenta == {}  # not before the commit
+        screening.commit(0, names)
+        sent.append([formed(strategy.terms(layout, p, [], model)[0], screening.numels) for p in uploads])
+        sent[-1] = [{k: a * v for k, v in update.items()} for update, a in zip(sent[-1], weights.clip)]
+    assert 3 in weights.disagreeing and weights.clip[3] < 1.0  # the flipped site: clipped and zeroed, its momentum kept
+    for i, name in enumerate(names):
+        kept = screening.momenta[name][0]
+        assert set(kept) == set(screening.numels)  # dSGD: every parameter by its name
+        for parameter, value in kept.items():
+            assert value.dtype == torch.float32
+            expected = (0.5 * sent[0][i][parameter].float().double() + sent[1][i][parameter]).float()
+            assert torch.equal(value, expected)
+
+
+def test_a_federation_above_the_momentum_budget_is_weighed_on_each_step_alone_and_told_once(monkeypatch, caplog):
+    """Above ``MAX_MOMENTUM_ELEMENTS`` (sites × parameters) no momentum is kept: the weights are
+    those of the rule with μ = 0, and the operator is told once."""
+    from dadfl.trust import screening as screening_module
+
+    strategy = make_strategy("dsgd")
+    coordinator, payloads, flipped = four_uploads(strategy)
+    uploads, names = [*payloads[:3], flipped], ["a", "b", "c", "d"]
+    monkeypatch.setattr(screening_module, "MAX_MOMENTUM_ELEMENTS", 10)
+    over, alone = screening_module.Screening(coordinator, 100.0, None), screening_module.Screening(coordinator, 100.0, None, momentum=0.0)
+    with caplog.at_level("WARNING", logger=screening_module.__name__):
+        for _ in range(2):
+            assert over.weights(uploads, [], names) == alone.weights(uploads, [], names)
+            for screening in (over, alone):
+                screening.message(strategy.server(coordinator.layout, coordinator.model), uploads, [], sites=names)
+                screening.commit(0, names)
+    assert over.momenta == {} and sum("momenta the coordinator keeps" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_untouched_weights_aggregate_the_uploads_bit_identically_and_a_zeroed_site_leaves_the_mean():
