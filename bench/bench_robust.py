@@ -178,14 +178,24 @@ class Attacker:
         pull forward to be kept: v = L (cos θ · (−ĝ⊥) + sin θ · û), û the direction of the honest
         sites' sum, ĝ⊥ that of its own gradient's part orthogonal to it, L the clip's bound (with the
         clip's history), θ the smallest that agreement keeps (bisection on the rule itself; dense
-        uploads: dSGD)."""
+        uploads: dSGD). Where agreement reads momenta, û is the direction of the honest sites'
+        momenta after this step (μ m_j + g_j), the direction the rule measures it along."""
         genuine = payloads[ATTACKER]
         own, others = flat_tensors(genuine), sum(flat_tensors(p) for p in payloads[:ATTACKER])
+        rule = self.screening
+        if self.standing and rule.momentum and rule.momenta:
+            ones = {}  # per payload key, the honest sites' momenta after this step (mean units)
+            for i, p in enumerate(payloads[:ATTACKER]):
+                kept = rule.momenta.get(str(i), {}).get(genuine.phase, {})
+                for key, tensor in p.tensors.items():
+                    name = split_key(key)[0]
+                    now = tensor.double().reshape(-1) / p.num_samples
+                    ones[key] = ones.get(key, 0) + now + (rule.momentum * kept[name].double() if name in kept else 0)
+            others = torch.cat([ones[key] for key in genuine.tensors])
         forward = others / others.norm()
         across = -(own - (own @ forward) * forward)
         across = across / across.norm()
         phase = genuine.phase
-        rule = self.screening
         history = [rule.recent_norms.get(str(i), {}).get(phase, []) for i in range(len(payloads))]
         honest_norms = [float(flat_tensors(p).norm()) for p in payloads[:ATTACKER]]
         length = rule.clip_ratio * max(statistics.median(honest_norms), history_references(history)[ATTACKER])

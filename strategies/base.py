@@ -226,11 +226,13 @@ class Strategy:
         that phase is then clipped only."""
         return True
 
-    def terms_in_parameters(self, step: int, phase: int) -> bool:
-        """Whether the update terms of ``phase`` of ``step`` (``terms``) are the site's update in
-        parameter space, so that a site's updates add up across steps (the robust rule's
-        momentum, ``robust.py``); False where they are coordinates in a basis that changes
-        every step (PowerSGD's P_s, Q_s): agreement then reads the step alone."""
+    def momenta_agree(self, step: int, phase: int) -> bool:
+        """Whether honest sites' momenta of the updates of ``phase`` (their sum over steps, the
+        robust rule's momentum, ``robust.py``) point the same way, so that agreement may read
+        them instead of the step alone. It needs update terms in parameter space (``terms``),
+        whose sum over steps means something; False where they are coordinates in a basis that
+        changes every step (PowerSGD), or where an upload already sums many local steps
+        (FedAvg, DiLoCo): agreement then reads each step's updates."""
         return True
 
     def chooses_basis(self, step: int, phase: int) -> bool:

@@ -509,9 +509,10 @@ class PowerSGD(Strategy):
             return True
         return phase == 1 and self.memory == "site"
 
-    def terms_in_parameters(self, step: int, phase: int) -> bool:
-        """Dense warm-up steps only: P_s and Q_s are coordinates in this step's basis."""
-        return not self.compresses(step)
+    def momenta_agree(self, step: int, phase: int) -> bool:
+        """Never: P_s and Q_s are coordinates in each step's basis, and a momentum of the dense
+        warm-up steps alone would leave the standings on another scale than the steps after."""
+        return False
 
     def chooses_basis(self, step: int, phase: int) -> bool:
         """Phase 0 of a compressed step with the site memory: P̂ = orth(Σ_s (n_s/N) P_s) is

@@ -73,8 +73,8 @@ samples of the sites of nonzero weight.
    The standings are the coordinator's state (its checkpoint keeps them: a resumed run is
    bit-identical); a site keeps them across disconnects, so leaving and rejoining resets nothing.
 
-   **Momentum** (μ = ``momentum``, with site ids, where the strategy's terms are the update in
-   parameter space: ``Strategy.terms_in_parameters``): the push-backs above are measured on
+   **Momentum** (μ = ``momentum``, with site ids, where the strategy says honest momenta agree:
+   ``Strategy.momenta_agree``): the push-backs above are measured on
    the sites' momenta instead of this step's updates,
 
        m_i' = μ m_i + a_i g_i,      ⟨m_i', m_j'⟩ = μ² ⟨m_i, m_j⟩ + μ (a_j ⟨m_i, g_j⟩ + a_i ⟨m_j, g_i⟩) + a_i a_j G_ij
@@ -89,7 +89,7 @@ samples of the sites of nonzero weight.
    honest sites pull each other forward strongly (about −0.8 against −0.3 for one step),
    and an attacker's past undoing shows against the others' later progress. The bound is
    then r_i + β alone (``MOMENTUM_PULL_SHARE`` 1: the share below is for one step's noisy
-   pull). Without momentum (μ = 0, no site ids, PowerSGD's compressed steps, a federation
+   pull). Without momentum (μ = 0, no site ids, PowerSGD, FedAvg, DiLoCo, a federation
    above ``MAX_MOMENTUM_ELEMENTS`` in ``screening.py``) the rule reads each step's updates.
 
    What it does not bound: a site kept pulls forward along the others' momenta as they do;
@@ -232,17 +232,23 @@ def robust_weights(
     if agreement:
         if momentum is not None:
             clipped = momentum.gram(clip, inner)
+            # push-back on momenta in units of this step's clipped norms over 1 − μ (what a site
+            # sending one direction every step reaches), not of the momenta's own norms: once the
+            # model fits, the common direction is gone and the momenta are what is left, each
+            # site's own optimum, which against their own norms pushed back by O(1)
+            lengths = [clip[i] * norms[i] / (1 - momentum.weight) for i in range(S)]
         else:
             clipped = [[clip[i] * clip[j] * inner[i][j] for j in range(S)] for i in range(S)]
+            lengths = [math.sqrt(max(clipped[i][i], 0.0)) for i in range(S)]
         remaining = list(range(S))  # a site that adds nothing is judged too: it pushes back by 0
         share = MIN_PULL_SHARE if momentum is None else MOMENTUM_PULL_SHARE
         if standing is None:  # the step alone decides: the peers as they are this step, among all sites
-            past, weight, peers = [0.0] * S, 0.0, [value or 0.0 for value in _peer_push_backs(clipped, remaining)]
+            past, weight, peers = [0.0] * S, 0.0, [value or 0.0 for value in _peer_push_backs(clipped, remaining, lengths)]
         else:
             past, weight = list(standing), standing_weight
             peers = list(peer_standing) if peer_standing is not None else [0.0] * S
         while len(remaining) >= 3:
-            push = _push_backs(clipped, remaining)
+            push = _push_backs(clipped, remaining, lengths)
             over = {i: updated_standing(past[i], push[i], weight) - agreement_bound(peers[i], agreement_margin, share) for i in remaining}
             worst = max(remaining, key=lambda i: (over[i], -i))
             if over[worst] < 0:
@@ -250,10 +256,10 @@ def robust_weights(
             disagreeing.append(worst)
             remaining.remove(worst)
         if len(remaining) >= 2:  # every site measured against the sites kept
-            kept = _push_backs(clipped, remaining)
-            left_out = {i: _push_backs(clipped, sorted([*remaining, i]))[i] for i in disagreeing}
+            kept = _push_backs(clipped, remaining, lengths)
+            left_out = {i: _push_backs(clipped, sorted([*remaining, i]), lengths)[i] for i in disagreeing}
             push_backs = [kept.get(i, left_out.get(i, 0.0)) for i in range(S)]
-            peer_push_backs = _peer_push_backs(clipped, remaining)
+            peer_push_backs = _peer_push_backs(clipped, remaining, lengths)
     factors = [0.0 if i in disagreeing else clip[i] for i in range(S)]
     return Weights(factors, [i for i in range(S) if clip[i] < 1.0], disagreeing, push_backs, norms, peer_push_backs, clip)
 
@@ -294,24 +300,24 @@ def updated_standing(before: float, push_back: float, standing_weight: float = D
     return standing_weight * before + (1 - standing_weight) * push_back
 
 
-def _peer_push_backs(G: list[list[float]], sites: list[int]) -> list[float | None]:
+def _peer_push_backs(G: list[list[float]], sites: list[int], lengths: list[float]) -> list[float | None]:
     """For each site i of ``G``: the median push-back of the sites of ``sites`` other than i,
     each against the others of them but i (None where fewer than 2 are left)."""
     peers: list[float | None] = []
     for i in range(len(G)):
         others = [j for j in sites if j != i]
-        peers.append(statistics.median(_push_backs(G, others).values()) if len(others) >= 2 else None)
+        peers.append(statistics.median(_push_backs(G, others, lengths).values()) if len(others) >= 2 else None)
     return peers
 
 
-def _push_backs(G: list[list[float]], sites: list[int]) -> dict[int, float]:
+def _push_backs(G: list[list[float]], sites: list[int], lengths: list[float]) -> dict[int, float]:
     """Per site i of ``sites``: −⟨g_i, u_i⟩ / m_i, u_i the unit direction of the other sites' sum,
     m_i the median of their norms (0 where the others sum to nothing). From G alone: with
     R_i = Σ_j G_ij and T = Σ_jk G_jk over ``sites``, ⟨g_i, Σ_{j≠i} g_j⟩ = R_i − G_ii and
     ‖Σ_{j≠i} g_j‖² = T − 2R_i + G_ii."""
     rows = {i: math.fsum(G[i][j] for j in sites) for i in sites}
     total = math.fsum(rows.values())
-    medians = medians_of_the_others([math.sqrt(max(G[i][i], 0.0)) for i in sites])
+    medians = medians_of_the_others([lengths[i] for i in sites])
     push = {}
     for i, median in zip(sites, medians):
         others = math.sqrt(max(total - 2 * rows[i] + G[i][i], 0.0))

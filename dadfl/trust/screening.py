@@ -297,7 +297,7 @@ class Screening:
         # a phase that only chooses a basis is clipped by this step's median alone (BASIS_CLIP_RATIO)
         history = [recent.get(site, {}).get(phase, []) for site in sites] if sites is not None and clip_ratio and not basis else None
         updates = momentum = None
-        if before is not None and self._momentum_fits(len(sites)) and strategy.terms_in_parameters(step, phase):
+        if before is not None and self._momentum_fits(len(sites)) and strategy.momenta_agree(step, phase):
             try:
                 updates = [formed(t, self.numels) for t in terms]
                 momentum = self._momentum([self.momenta.get(site, {}).get(phase, {}) for site in sites], updates)

@@ -436,9 +436,10 @@ def test_momentum_gram_is_that_of_the_clipped_momenta_and_zeroes_a_site_whose_st
 
 
 def test_the_screening_keeps_each_sites_momentum_of_its_clipped_updates_from_commit_to_commit():
-    """Through the coordinator's screening and real dSGD uploads: a site's momentum after two
-    committed steps is μ a₁ g₁ + a₂ g₂ (its updates as sent, clipped, in parameter space, float32),
-    kept also for the site agreement zeroed; an attempt not committed leaves it as it was."""
+    """Through the coordinator's screening and real dSGD uploads: a site's momentum after each
+    committed step is μ m + a g (its update as sent, clipped, in parameter space, float32), kept
+    also for the site agreement zeroed once its momentum pushes back; an attempt not committed
+    leaves it as it was."""
     from dadfl.trust.screening import Screening
 
     strategy = make_strategy("dsgd")
@@ -446,24 +447,24 @@ def test_the_screening_keeps_each_sites_momentum_of_its_clipped_updates_from_com
     uploads, names = [*payloads[:3], flipped], ["a", "b", "c", "d"]
     screening = Screening(coordinator, 100.0, None, momentum=0.5)
     layout, model = coordinator.layout, coordinator.model
-    sent = []
-    for step in range(2):  # the same uploads twice, each round committed (as step 0: the uploads' own)
+    expected: list[dict] = [{} for _ in names]
+    for step in range(3):  # the same uploads, each round committed (as step 0: the uploads' own)
         screening.refusals(0, 0, uploads, [])
         weights = screening.weights(uploads, [], names)
         screening.message(strategy.server(layout, model), uploads, [], sites=names)
         if step == 0:
             assert screening.momenta == {}  # not before the commit
         screening.commit(0, names)
-        sent.append([formed(strategy.terms(layout, p, [], model)[0], screening.numels) for p in uploads])
-        sent[-1] = [{k: a * v for k, v in update.items()} for update, a in zip(sent[-1], weights.clip)]
-    assert 3 in weights.disagreeing and weights.clip[3] < 1.0  # the flipped site: clipped and zeroed, its momentum kept
+        for i, payload in enumerate(uploads):
+            update = formed(strategy.terms(layout, payload, [], model)[0], screening.numels)
+            expected[i] = {
+                k: (weights.clip[i] * g + (0.5 * expected[i][k].double() if k in expected[i] else 0)).float() for k, g in update.items()
+            }
+    assert weights.disagreeing == [3] and weights.clip[3] < 1.0  # the flipped site: clipped, zeroed, its momentum kept
     for i, name in enumerate(names):
         kept = screening.momenta[name][0]
         assert set(kept) == set(screening.numels)  # dSGD: every parameter by its name
-        for parameter, value in kept.items():
-            assert value.dtype == torch.float32
-            expected = (0.5 * sent[0][i][parameter].float().double() + sent[1][i][parameter]).float()
-            assert torch.equal(value, expected)
+        assert all(value.dtype == torch.float32 and torch.equal(value, expected[i][k]) for k, value in kept.items())
 
 
 def test_a_federation_above_the_momentum_budget_is_weighed_on_each_step_alone_and_told_once(monkeypatch, caplog):
