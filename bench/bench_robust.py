@@ -24,8 +24,9 @@ PowerSGD's Q):
   below its estimated bound less 0.1 β (one-phase strategies whose messages are updates:
   dSGD, dAD, auto, FedAvg);
 - ``ortho``: across the others' sum: its genuine gradient's part orthogonal to the honest
-  sites' sum, negated, at the clip's bound, turned towards that sum only as far as agreement
-  needs to keep it (knowing every upload, standing and the clip's history; dSGD, whose upload
+  sites' sum (with ``--momentum``, their momenta), negated, at the clip's bound, turned towards
+  it only as far as agreement needs to keep it (knowing every upload, standing, momentum and
+  the clip's history; dSGD, whose upload
   can be any vector). Agreement measures a site along the others' sum only, so this is what
   a site inside the rule can still do (``docs/robustness.md``); ``blind-ortho``: the same
   with what a site sees (the last message for the others' sum, estimates as ``blind-flip``);
@@ -45,7 +46,8 @@ either (the step is then not plain averaging), and where some honest site was cl
 phase that only chooses a basis (PowerSGD's P_s: ``Strategy.chooses_basis``).
 The ``clean4`` row is 4 honest sites (the 4th counted as the attacker's column): the
 clean runs' rates.
-``--clip-ratio``/``--no-agreement`` change the rule; ``--off`` runs without it (the table
+``--clip-ratio``/``--no-agreement``/``--agreement-margin``/``--momentum`` change the rule
+(``--momentum 0.9``: agreement on the sites' momenta, ``federation.agreement_momentum``); ``--off`` runs without it (the table
 before).
 """
 

@@ -48,8 +48,9 @@ class FederationConfig(StrictModel):
     )
     agreement_momentum: float = Field(
         DEFAULT_MOMENTUM, ge=0, lt=1, description="agreement reads each site's momentum of its updates (their sum over "
-        "the last steps, each step's weight this times the next's): a site cannot push the model back a little in every "
-        "step while each step alone looks honest; 0: each step's update alone (docs/robustness.md)"
+        "the last steps, each step's weight this times the next's), so a site cannot push the model back a little in every "
+        "step while each step alone looks honest; 0.9 where the sites' data are alike (it adds up label skew too, "
+        "zeroing hospitals whose data differ more often); 0: each step's update alone (docs/robustness.md)"
     )
     quarantine_after: int = Field(
         3, ge=1, description="refused uploads after which a site is quarantined for the run (run_dir/quarantine.json; "

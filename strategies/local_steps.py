@@ -170,9 +170,9 @@ class LocalSteps(DSGD):
 
     def momenta_agree(self, step: int, phase: int) -> bool:
         """Never: a delta of several local steps already sums a site's noise over them, and its
-        momentum then holds the site's own optimum: honest sites pushed back on each other's
-        momenta once the model fitted (an honest site zeroed in 13–27% of clean steps,
-        docs/robustness.md). Agreement reads each round's deltas."""
+        momentum then holds the site's own optimum: once the model fitted, honest sites pushed
+        back on each other's momenta and were zeroed (docs/robustness.md). Agreement reads each
+        round's deltas."""
         return False
 
 

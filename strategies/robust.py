@@ -82,12 +82,17 @@ samples of the sites of nonzero weight.
    (:class:`Momentum`: the coordinator forms each site's update in parameter space,
    ``gram.formed``, and keeps m_i); m_i records what site i sent, clipped, zeroed or not,
    so an honest site zeroed once recovers and a zeroed attacker's past stays on its record.
+   On momenta, p_i is in units of m_i / (1 − μ), m_i of this step's clipped norms (what a site
+   sending one direction every step reaches), not of the momenta's own norms: once the
+   model fits, the common direction is gone and each momentum holds its site's own optimum,
+   which against the momenta's norms pushes back by O(1) and zeroed honest sites in a
+   large share of late steps (``docs/robustness.md``).
    Why: agreement on one step measures a site only along that step's others' sum, and an
    honest gradient is mostly noise across it (cosine about 0.3), so an attacker that
    undoes its own gradient's part *across* the others' sum looks honest in every step.
    Over steps the honest noise cancels and the common direction adds up: the momenta of
-   honest sites pull each other forward strongly (about −0.8 against −0.3 for one step),
-   and an attacker's past undoing shows against the others' later progress. The bound is
+   honest sites pull each other forward steadily, and an attacker's past undoing shows
+   against the others' later progress. The bound is
    then r_i + β alone (``MOMENTUM_PULL_SHARE`` 1: the share below is for one step's noisy
    pull). Without momentum (μ = 0, no site ids, PowerSGD, FedAvg, DiLoCo, a federation
    above ``MAX_MOMENTUM_ELEMENTS`` in ``screening.py``) the rule reads each step's updates.
@@ -107,7 +112,9 @@ Tuning: ``CLIP_HISTORY_STEPS`` and ``CLIP_QUANTILE`` say what an honest spike is
 may send c times what the others' recent norms reached one step in ten. ``standing_weight``
 (λ) is how long a site's past counts (about 1 / (1 − λ) steps); 0 is the per-step rule.
 ``momentum`` (μ, ``federation.agreement_momentum``) how many steps of a site's updates add up
-before they are weighed (about 1 / (1 − μ)); 0 weighs each step's updates.
+before they are weighed (about 1 / (1 − μ)); 0 (the default) weighs each step's updates. Momenta
+also add up what makes honest sites' data differ (label skew), so 0.9 where the sites' data are
+alike: it holds against an attacker that sees every upload, and zeroes skewed hospitals more.
 ``clip_ratio`` (c) trades how much one site can move the model (c honest contributions)
 against how often honest sites are clipped; ``agreement_margin`` (β,
 ``federation.agreement_margin``) how much more a site may push back on average than its peers
@@ -139,7 +146,8 @@ DEFAULT_STANDING_WEIGHT = 0.9  # the weight of a site's past steps in its score,
 # measured: docs/robustness.md
 MIN_PULL_SHARE = 1 / 3
 MOMENTUM_PULL_SHARE = 1.0  # the same on momenta, whose pull is steadier: r_i + β alone, measured: docs/robustness.md
-DEFAULT_MOMENTUM = 0.9  # μ, measured: docs/robustness.md
+# μ: 0, agreement on each step's updates; 0.9 where sites' data are alike (IID), measured: docs/robustness.md
+DEFAULT_MOMENTUM = 0.0
 # The clip's reference from history (module text, step 1), measured: docs/robustness.md
 CLIP_HISTORY_STEPS = 50  # a site's norms kept, its last committed steps
 CLIP_QUANTILE = 0.9

@@ -476,7 +476,8 @@ def test_a_federation_above_the_momentum_budget_is_weighed_on_each_step_alone_an
     coordinator, payloads, flipped = four_uploads(strategy)
     uploads, names = [*payloads[:3], flipped], ["a", "b", "c", "d"]
     monkeypatch.setattr(screening_module, "MAX_MOMENTUM_ELEMENTS", 10)
-    over, alone = screening_module.Screening(coordinator, 100.0, None), screening_module.Screening(coordinator, 100.0, None, momentum=0.0)
+    over = screening_module.Screening(coordinator, 100.0, None, momentum=0.9)
+    alone = screening_module.Screening(coordinator, 100.0, None, momentum=0.0)
     with caplog.at_level("WARNING", logger=screening_module.__name__):
         for _ in range(2):
             assert over.weights(uploads, [], names) == alone.weights(uploads, [], names)
