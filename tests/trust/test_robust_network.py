@@ -50,17 +50,20 @@ def site_config(tmp_path, site_id: str, index: int, endpoint: str) -> SiteConfig
     })
 
 
-@pytest.mark.parametrize(("strategy", "factor"), [
-    (StrategySpec(name="dsgd"), 50.0),
-    (StrategySpec(name="dad"), -20.0),
-    (StrategySpec(name="rankdad", options={"rank": 2}), -40.0),  # under the bound (100× the median) in most steps
+@pytest.mark.parametrize(("strategy", "factor", "momentum"), [
+    (StrategySpec(name="dsgd"), 50.0, 0.0),
+    (StrategySpec(name="dad"), -20.0, 0.0),
+    (StrategySpec(name="rankdad", options={"rank": 2}), -40.0, 0.0),  # under the bound (100× the median) in most steps
+    (StrategySpec(name="dad"), -20.0, 0.9),  # agreement on the sites' momenta (federation.agreement_momentum)
 ])
-def test_an_adaptive_site_is_bounded_and_no_honest_site_pays_for_it(tmp_path, monkeypatch, strategy, factor):
-    records = run_with_adaptive_site(tmp_path, monkeypatch, strategy, factor)
+def test_an_adaptive_site_is_bounded_and_no_honest_site_pays_for_it(tmp_path, monkeypatch, strategy, factor, momentum):
+    records = run_with_adaptive_site(tmp_path, monkeypatch, strategy, factor, momentum)
     taking_part = [r for r in records if ADAPTIVE in r["site_ids"]]
     assert len(taking_part) >= STEPS // 2 and all(ADAPTIVE in r["robust_factors"] for r in taking_part)  # always bounded
     honest_weighed = sum(1 for r in records for site in r.get("robust_factors", {}) if site != ADAPTIVE)
     assert honest_weighed <= STEPS * HONEST * 0.2, f"honest sites were weighed down {honest_weighed} times"
+    if factor < 0:  # flipped: zeroed by agreement once its standing (its momentum) shows it
+        assert sum(ADAPTIVE in r["robust_disagreeing"] for r in taking_part[STEPS // 4:]) >= len(taking_part[STEPS // 4:]) - 2
 
     simulation = SimulationConfig(
         workload=WORKLOAD["spec"], workload_options=WORKLOAD["options"], sites=HONEST, batch_size=BATCH, steps=STEPS,
@@ -83,14 +86,15 @@ def test_a_site_that_adds_nothing_leaves_the_mean_once_its_peers_standing_settle
     assert not any(set(r.get("robust_disagreeing", [])) - {ADAPTIVE} for r in records)
 
 
-def run_with_adaptive_site(tmp_path, monkeypatch, strategy: StrategySpec, factor: float) -> list[dict]:
-    """3 honest sites and the adaptive one over gRPC on loopback; the coordinator's records,
-    once the run has completed with every honest site in every step and none quarantined."""
+def run_with_adaptive_site(tmp_path, monkeypatch, strategy: StrategySpec, factor: float, momentum: float = 0.0) -> list[dict]:
+    """3 honest sites and the adaptive one over gRPC on loopback (agreement on momenta μ =
+    ``momentum``); the coordinator's records, once the run has completed with every honest
+    site in every step and none quarantined."""
     config = server_config(
         tmp_path, threads=1, workload=WORKLOAD, optimizer={"lr": LR},
         strategy={"name": strategy.name, "options": strategy.options},
         training={"steps": STEPS, "batch_size": BATCH, "eval_every": STEPS, "checkpoint_every": 0},
-        federation={"min_sites": HONEST, "initial_sites": HONEST + 1, "linger_s": 0},
+        federation={"min_sites": HONEST, "initial_sites": HONEST + 1, "linger_s": 0, "agreement_momentum": momentum},
     )
     server = ServerThread(config).start()
     monkeypatch.setattr(AdaptiveSession, "factor", factor)
