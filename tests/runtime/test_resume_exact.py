@@ -20,8 +20,8 @@ from tests.helpers.network import ServerThread, SiteThread, dadfl_command, free_
 
 pytestmark = pytest.mark.network  # every test here starts a coordinator, a site or a process
 
-# Three sites: the robust rule weighs agreement, so each site's standing (coordinator state) goes
-# through the kill and the resume too.
+# Three sites: the robust rule weighs agreement, so each site's standing and, on momenta (dAD,
+# rank-dAD: agreement_momentum), its momentum (coordinator state) go through the kill and the resume too.
 STEPS, SITES, CHECKPOINT_EVERY = 60, 3, 6
 SERVER_KILL_AFTER, SITE_KILL_AFTER = 8, 30
 STRATEGIES = {
@@ -41,7 +41,7 @@ def configs(tmp: Path, strategy: str, port: int = 0):
         listen={"address": f"127.0.0.1:{port}"},
         strategy={"name": strategy, "options": STRATEGIES[strategy]},
         training={"steps": STEPS, "batch_size": 16, "eval_every": STEPS, "checkpoint_every": CHECKPOINT_EVERY},
-        federation={"min_sites": SITES, "phase_timeout_s": 20, "quorum_timeout_s": 60, "linger_s": 5},
+        federation={"min_sites": SITES, "phase_timeout_s": 20, "quorum_timeout_s": 60, "linger_s": 5, "agreement_momentum": 0.9},
     )
     connect = {"max_attempts": 2000, "backoff_initial_s": 0.05, "backoff_max_s": 0.2}  # minutes on a busy machine
     sites = [  # none while the port is not known yet (0: the server picks one)
