@@ -136,6 +136,26 @@ def _positions(earlier: dict, names: list[str] | None, count: int) -> dict[int, 
     return {i: i for i in range(count)} if len(earlier["factors"]) == count else {}
 
 
+@dataclass(frozen=True)
+class Decision:
+    """What the rule decided for one phase's uploads, and what it read to decide it: the
+    standings, clip history and momenta before the phase, and each site's update in parameter
+    space (None where agreement read no momenta), from which ``Screening`` records the phase."""
+
+    weights: Weights
+    factors: list[float]  # the weights' factors bound by the step's earlier phases
+    earlier: dict | None  # the step's earlier phases (``Screening.weighed``), None in its first
+    here: dict[int, int]  # an earlier phase's index of a site -> this phase's
+    basis: bool  # a phase that only chooses a basis
+    standing: dict[str, float]
+    peer_standing: dict[str, float]
+    before: list[float] | None  # the sites' standings, as the rule read them
+    peers_before: list[float] | None
+    recent: dict[str, dict[int, list[float]]]
+    history: list[list[float]] | None  # the sites' clip history, as the rule read it
+    updates: list[dict[str, torch.Tensor]] | None
+
+
 @dataclass
 class Screening:
     """The checks of one coordinator replica's strategy, with its federation's influence bounds."""
@@ -257,22 +277,21 @@ class Screening:
             raise ValueError(f"{len(sites)} site ids for {len(payloads)} uploads: name every upload's site, in order")
         if len(payloads) < 2 or (not self.clip_ratio and not self.agreement):
             return list(payloads)
-        rule = self._rule(payloads, messages, sites)
-        weights, factors = rule["weights"], rule["factors"]
+        decision = self._decide(payloads, messages, sites)
         if remember:
-            self._remember(rule, payloads[0].step, payloads[0].phase, sites)
+            self._remember(decision, payloads[0].step, payloads[0].phase, sites)
         # A site of weight 0 leaves the phase's aggregate and its sample count, as if it had not
         # sent: the others' mean is not diluted by it.
-        kept = [(payload, factor) for payload, factor in zip(payloads, factors) if factor > 0.0]
+        kept = [(payload, factor) for payload, factor in zip(payloads, decision.factors) if factor > 0.0]
         strategy, layout = self.strategy, self.replica.layout
         return [payload if factor == 1.0 else strategy.scale(layout, payload, factor) for payload, factor in kept]
 
     def weights(self, payloads: Sequence[Payload], messages: Sequence[Payload], sites: Sequence[str] | None = None) -> Weights:
         """What the rule decides for these uploads, as :meth:`weigh` would, nothing kept: the
         factors of this phase alone (an earlier phase's bind them further in ``weigh``)."""
-        return self._rule(payloads, messages, sites)["weights"]
+        return self._decide(payloads, messages, sites).weights
 
-    def _rule(self, payloads: Sequence[Payload], messages: Sequence[Payload], sites: Sequence[str] | None) -> dict:
+    def _decide(self, payloads: Sequence[Payload], messages: Sequence[Payload], sites: Sequence[str] | None) -> Decision:
         strategy = self.strategy
         terms = [self._update_terms(payload, messages) for payload in payloads]
         step, phase = payloads[0].step, payloads[0].phase
@@ -314,11 +333,7 @@ class Screening:
         factors = list(weights.factors)
         for i, j in here.items():  # a site refused between the phases is gone; the others keep their bound
             factors[j] = min(factors[j], earlier["factors"][i])
-        return {
-            "weights": weights, "factors": factors, "earlier": earlier, "here": here, "basis": basis, "standing": standing,
-            "peer_standing": peer_standing, "before": before, "peers_before": peers_before, "recent": recent, "history": history,
-            "updates": updates,
-        }
+        return Decision(weights, factors, earlier, here, basis, standing, peer_standing, before, peers_before, recent, history, updates)
 
     def _momentum_fits(self, sites: int) -> bool:
         if not self.momentum:
@@ -355,10 +370,10 @@ class Screening:
                 with_update += kept @ now.T
         return Momentum(self.momentum, before.tolist(), with_update.tolist())
 
-    def _remember(self, rule: dict, step: int, phase: int, sites: Sequence[str] | None) -> None:
-        weights, factors, earlier, here = rule["weights"], rule["factors"], rule["earlier"], rule["here"]
-        standing, peer_standing, before, peers_before = rule["standing"], rule["peer_standing"], rule["before"], rule["peers_before"]
-        recent, history, basis = rule["recent"], rule["history"], rule["basis"]
+    def _remember(self, decision: Decision, step: int, phase: int, sites: Sequence[str] | None) -> None:
+        weights, factors, earlier, here, basis = decision.weights, decision.factors, decision.earlier, decision.here, decision.basis
+        standing, peer_standing, before, peers_before = decision.standing, decision.peer_standing, decision.before, decision.peers_before
+        recent, history = decision.recent, decision.history
         names = list(sites) if sites is not None else None
 
         def mapped(key: str) -> set[int]:  # an earlier phase's sites of ``key``, at their places in this phase
@@ -389,12 +404,12 @@ class Screening:
                 recent[site] = {**recent.get(site, {}), phase: recorded_norms(past, norm)}
         if recent is not self.recent_norms:
             self.weighed["recent_norms"] = recent
-        if rule["updates"] is not None:  # what each site sent, clipped, zeroed or not: an honest site zeroed once recovers
+        if decision.updates is not None:  # what each site sent, clipped, zeroed or not: an honest site zeroed once recovers
             momenta = dict(earlier.get("momenta", self.momenta) if earlier else self.momenta)
-            for site, update, a in zip(sites, rule["updates"], weights.clip):
+            for site, update, a in zip(sites, decision.updates, weights.clip):
                 kept = momenta.get(site, {}).get(phase, {})
                 new = {}
-                for name in kept.keys() | update.keys():
+                for name in sorted(kept.keys() | update.keys()):
                     value = a * update[name] if name in update else torch.zeros(kept[name].numel(), dtype=torch.float64)
                     if name in kept:
                         value = value + self.momentum * kept[name].double()
