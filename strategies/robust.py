@@ -187,7 +187,7 @@ class Weights:
     """Per site: the factor applied, the clip part a_i, whether agreement zeroed it."""
 
     factors: list[float]
-    clipped: list[int]  # sites whose a_i < 1
+    clip: list[float]  # each site's a_i (1: not clipped), zeroed or not: what its momentum records
     disagreeing: list[int]  # sites pushing back past their bound (weight 0)
     # each site's push-back against the sites kept (units of m_i), None where agreement was not weighed
     push_backs: list[float] | None = None
@@ -195,7 +195,11 @@ class Weights:
     # per site, the median push-back of the kept sites other than it among themselves (None where
     # fewer than 2 of them are kept): what its peers' standing follows
     peer_push_backs: list[float | None] | None = None
-    clip: list[float] | None = None  # each site's a_i (1: not clipped), zeroed or not: what its momentum records
+
+    @property
+    def clipped(self) -> list[int]:
+        """The sites whose a_i < 1."""
+        return [i for i, a in enumerate(self.clip) if a < 1.0]
 
     @property
     def untouched(self) -> bool:
@@ -269,7 +273,7 @@ def robust_weights(
             push_backs = [kept.get(i, left_out.get(i, 0.0)) for i in range(S)]
             peer_push_backs = _peer_push_backs(clipped, remaining, lengths)
     factors = [0.0 if i in disagreeing else clip[i] for i in range(S)]
-    return Weights(factors, [i for i in range(S) if clip[i] < 1.0], disagreeing, push_backs, norms, peer_push_backs, clip)
+    return Weights(factors, clip, disagreeing, push_backs, norms, peer_push_backs)
 
 
 def history_references(recent_norms: Sequence[Sequence[float]]) -> list[float]:
