@@ -16,8 +16,8 @@ step, attempt, phase, model version, sample count). Then, over all uploads of th
    median of the others' norms or, when larger, of their recent norms' 0.9 quantiles, 0 for a
    site that pushes the model back along the others' sum, on average over its recent steps,
    by ``agreement_margin`` × their median norm more than the other sites do among themselves
-   (``agreement``), measured on each site's momentum of its clipped updates (``momentum``;
-   kept here by site id, phase and parameter, in float32) — and each
+   (``agreement``); with ``momentum`` above 0, measured on each site's momentum of its clipped
+   updates instead of the step's (kept here by site id, phase and parameter, in float32) — and each
    upload scaled by its factor (``Strategy.scale``). Factors decided in a step's earlier
    phases bound the later ones', except those of a phase that only chooses a basis
    (``Strategy.chooses_basis``, PowerSGD's P_s: clipped to the others' median norm, no
