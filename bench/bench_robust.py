@@ -18,6 +18,10 @@ PowerSGD's Q):
   rule keeps it at a weight above 0, or, where even 0 is not kept, sent forward (up to 1×)
   as little as keeps it: the attacker knowing every site's upload, both standings of every
   site and the clip's history, just inside the agreement rule;
+- ``shrink``: its genuine upload scaled down, never negated, as far (down to 0) as the agreement
+  rule keeps it at a weight above 0 (knowing what ``margin-flip`` knows): a site that only
+  withholds, whose upload points where its gradient does; what it costs is the honest mean's
+  dilution by its share of the samples;
 - ``blind-flip``: the same without seeing the others' uploads: the attacker takes the
   direction of the last message it received for the others' sum and its own norm for their
   median, estimates its standing and its peers' from those, and keeps its estimated score
@@ -38,11 +42,12 @@ PowerSGD's Q):
 
 A refused upload drops the attacker for the rest of that step (it rejoins the next, as a
 dropped site does); a step whose message fails is aborted (nothing applied). Reported per
-strategy and attack: final test accuracy, that of the 3 honest sites alone (``clean``),
-the attacker's refusals, the fraction of steps where the attacker's factor was below 1,
-honest refusals, the fraction of honest (site, step) pairs with a factor below 1, and the
-fractions of steps where some honest site was clipped, zeroed by the agreement rule, or
-either (the step is then not plain averaging), and where some honest site was clipped in a
+strategy and attack: final test accuracy, that of the 3 honest sites alone (``clean``), the
+mean, lowest and highest of each after each of the last 10 steps (how much the final figure
+moves from one step to the next), the attacker's refusals, the fraction of steps where the
+attacker's factor was below 1, honest refusals, the fraction of honest (site, step) pairs with
+a factor below 1, and the fractions of steps where some honest site was clipped, zeroed by the
+agreement rule, or either (the step is then not plain averaging), and where some honest site was clipped in a
 phase that only chooses a basis (PowerSGD's P_s: ``Strategy.chooses_basis``).
 The ``clean4`` row is 4 honest sites (the 4th counted as the attacker's column): the
 clean runs' rates.
@@ -79,9 +84,10 @@ STRATEGIES = {
     "powersgd r=2": ("powersgd", {"rank": 2}),
     "fedavg H=4": ("fedavg", {"local_steps": 4}),
 }
-ATTACKS = ("clean4", "x50", "flip20", "under", "under-flip", "margin-flip", "blind-flip", "ortho", "blind-ortho", "zero", "drift")
+ATTACKS = ("clean4", "x50", "flip20", "under", "under-flip", "margin-flip", "shrink", "blind-flip", "ortho", "blind-ortho", "zero", "drift")
 SITES, BATCH, LR, MAX_RATIO = 4, 32, 0.1, 100.0
 ATTACKER = SITES - 1
+RECENT_STEPS = 10  # the test accuracy after each of a run's last steps: the final figure's step-to-step noise
 BLIND_STRATEGIES = ("dsgd", "dad", "auto", "fedavg H=4")  # one phase, a message that is the update (blind-flip)
 ORTHO_STRATEGIES = ("dsgd",)  # uploads that are the dense gradient: any vector can be sent (ortho, blind-ortho)
 PARTITION = {"scheme": "iid", "alpha": 0.5}  # how the training set is split (the command line's --partition, --alpha)
@@ -131,6 +137,8 @@ class Attacker:
             bad = attacked(genuine, self.roles, lambda k, t: t * factor)
         elif self.kind == "margin-flip":
             bad = attacked(genuine, self.roles, lambda k, t: t * -self.margin_scale(payloads, messages))
+        elif self.kind == "shrink":
+            bad = attacked(genuine, self.roles, lambda k, t: t * -self.margin_scale(payloads, messages, largest=0.0))
         elif self.kind == "blind-flip":
             bad = attacked(genuine, self.roles, lambda k, t: t * -self.blind_scale(genuine, messages))
         elif self.kind == "ortho":
@@ -156,20 +164,20 @@ class Attacker:
         sites = [str(i) for i in range(len(payloads))] if self.standing else None
         return ATTACKER not in self.screening.weights(payloads, messages, sites).disagreeing
 
-    def margin_scale(self, payloads: list, messages: list) -> float:
-        """The largest s in [−1, 20] at which −s × the genuine upload is not zeroed by agreement, the
+    def margin_scale(self, payloads: list, messages: list, largest: float = 20.0) -> float:
+        """The largest s in [−1, ``largest``] at which −s × the genuine upload is not zeroed by agreement, the
         attacker knowing every upload, every site's standing and the clip's history (bisection on the
         rule itself)."""
         step, phase = payloads[0].step, payloads[0].phase
         if not self.strategy.uploads_agree(step, phase):
-            return 20.0
+            return largest
 
         def kept(scale: float) -> bool:
             return self.kept([*payloads[:ATTACKER], attacked(payloads[ATTACKER], self.roles, lambda k, t: t * -scale)], messages)
 
-        if kept(20.0):
-            return 20.0
-        low, high = -1.0, 20.0
+        if kept(largest):
+            return largest
+        low, high = -1.0, largest
         for _ in range(30):
             middle = (low + high) / 2
             low, high = (middle, high) if kept(middle) else (low, middle)
@@ -281,7 +289,7 @@ def run(
     server = strategy.server(coordinator.layout, coordinator.model)
     refused_attacker = refused_honest = aborted = 0
     attacker_weighed = honest_weighed = honest_clipped = honest_zeroed = honest_touched = honest_basis = 0
-    error = None
+    error, recent = None, []
     try:
         for step in range(steps):
             locals_ = [site.work(batch.at, step) for site, batch in zip(sites, batches)]
@@ -324,17 +332,25 @@ def run(
             fingerprints = {replica.apply(messages) for replica in [*sites, coordinator]}
             if len(fingerprints) != 1:
                 raise RuntimeError(f"replicas differ after step {step}")
+            if step >= steps - RECENT_STEPS:
+                recent.append(coordinator.evaluate()[workload.metric_name])
     except Exception as exc:  # what the issue's "before" table records: the run stops
         error = f"{type(exc).__name__}: {str(exc)[:120]}"
     accuracy = coordinator.evaluate()[workload.metric_name]
     honest = count if honest_only else count - 1
     return {
         "strategy": label, "attack": attack, "seed": seed, "accuracy": accuracy if math.isfinite(accuracy) else float("nan"),
-        "error": error, "aborted": aborted, "refused_attacker": refused_attacker, "refused_honest": refused_honest,
+        "recent_accuracy": recent, "error": error, "aborted": aborted, "refused_attacker": refused_attacker, "refused_honest": refused_honest,
         "attacker_weighed": attacker_weighed / steps, "honest_weighed": honest_weighed / (steps * honest),
         "steps_honest_clipped": honest_clipped / steps, "steps_honest_zeroed": honest_zeroed / steps,
         "steps_honest_touched": honest_touched / steps, "steps_honest_basis_clipped": honest_basis / steps,
     }
+
+
+def spread(row: dict) -> str:
+    """The mean, lowest and highest test accuracy after each of a run's last ``RECENT_STEPS`` steps."""
+    recent = row["recent_accuracy"]
+    return f"mean {statistics.fmean(recent):.3f} {min(recent):.3f}-{max(recent):.3f}" if recent else "-"
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -379,6 +395,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 rows.append(row)
                 print(
                     f"{label:14s} {attack:10s} seed {seed}: acc {row['accuracy']:.3f} (clean {clean['accuracy']:.3f}) "
+                    f"last {RECENT_STEPS} steps {spread(row)} (clean {spread(clean)}) "
                     f"refused attacker {row['refused_attacker']} honest {row['refused_honest']} aborted {row['aborted']} "
                     f"attacker<1 {row['attacker_weighed']:.2f} honest<1 {row['honest_weighed']:.3f} "
                     f"steps honest clipped {row['steps_honest_clipped']:.3f} zeroed {row['steps_honest_zeroed']:.3f} "
