@@ -21,7 +21,7 @@ PowerSGD's Q):
 - ``shrink``: its genuine upload scaled down, never negated, as far (down to 0) as the agreement
   rule keeps it at a weight above 0 (knowing what ``margin-flip`` knows): a site that only
   withholds, whose upload points where its gradient does; what it costs is the honest mean's
-  dilution by its share of the samples;
+  dilution by the part of its share of the samples that it withholds;
 - ``blind-flip``: the same without seeing the others' uploads: the attacker takes the
   direction of the last message it received for the others' sum and its own norm for their
   median, estimates its standing and its peers' from those, and keeps its estimated score
@@ -47,8 +47,8 @@ mean, lowest and highest of each after each of the last 10 steps (how much the f
 moves from one step to the next), the attacker's refusals, the fraction of steps where the
 attacker's factor was below 1, honest refusals, the fraction of honest (site, step) pairs with
 a factor below 1, and the fractions of steps where some honest site was clipped, zeroed by the
-agreement rule, or either (the step is then not plain averaging), and where some honest site was clipped in a
-phase that only chooses a basis (PowerSGD's P_s: ``Strategy.chooses_basis``).
+agreement rule, or either (the step is then not plain averaging), and where some honest site
+was clipped in a phase that only chooses a basis (PowerSGD's P_s: ``Strategy.chooses_basis``).
 The ``clean4`` row is 4 honest sites (the 4th counted as the attacker's column): the
 clean runs' rates.
 ``--clip-ratio``/``--no-agreement``/``--agreement-margin``/``--momentum`` change the rule
