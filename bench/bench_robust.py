@@ -22,6 +22,13 @@ PowerSGD's Q):
   rule keeps it at a weight above 0 (knowing what ``margin-flip`` knows): a site that only
   withholds, whose upload points where its gradient does; what it costs is the honest mean's
   dilution by the part of its share of the samples that it withholds;
+- ``withhold``: as ``shrink``, but only as far as the rule still counts it as a whole site in the
+  mean (its count 1): what a site that only withholds keeps from the others once the mean is
+  over the samples that count;
+- ``blind-margin``, ``blind-shrink``: ``margin-flip`` and ``shrink`` with what a site can know
+  when it uploads: the others' uploads of the last step stand for this step's (a site learns
+  them, or their sum, from the step's message); every standing and the clip's history as the
+  coordinator holds them (more than a site knows);
 - ``blind-flip``: the same without seeing the others' uploads: the attacker takes the
   direction of the last message it received for the others' sum and its own norm for their
   median, estimates its standing and its peers' from those, and keeps its estimated score
@@ -48,10 +55,12 @@ moves from one step to the next), the attacker's refusals, the fraction of steps
 attacker's factor was below 1, honest refusals, the fraction of honest (site, step) pairs with
 a factor below 1, and the fractions of steps where some honest site was clipped, zeroed by the
 agreement rule, or either (the step is then not plain averaging), and where some honest site
-was clipped in a phase that only chooses a basis (PowerSGD's P_s: ``Strategy.chooses_basis``).
+was clipped in a phase that only chooses a basis (PowerSGD's P_s: ``Strategy.chooses_basis``),
+and where the kept sites were scaled up for a site that counts less (``undiluted``, with the
+mean of that factor over those steps).
 The ``clean4`` row is 4 honest sites (the 4th counted as the attacker's column): the
 clean runs' rates.
-``--clip-ratio``/``--no-agreement``/``--agreement-margin``/``--momentum`` change the rule
+``--clip-ratio``/``--no-agreement``/``--agreement-margin``/``--full-count-share``/``--momentum`` change the rule
 (``--momentum 0.9``: agreement on the sites' momenta, ``federation.agreement_momentum``); ``--off`` runs without it (the table
 before).
 """
@@ -84,7 +93,7 @@ STRATEGIES = {
     "powersgd r=2": ("powersgd", {"rank": 2}),
     "fedavg H=4": ("fedavg", {"local_steps": 4}),
 }
-ATTACKS = ("clean4", "x50", "flip20", "under", "under-flip", "margin-flip", "shrink", "blind-flip", "ortho", "blind-ortho", "zero", "drift")
+ATTACKS = ("clean4", "x50", "flip20", "under", "under-flip", "margin-flip", "shrink", "withhold", "blind-margin", "blind-shrink", "blind-flip", "ortho", "blind-ortho", "zero", "drift")
 SITES, BATCH, LR, MAX_RATIO = 4, 32, 0.1, 100.0
 ATTACKER = SITES - 1
 RECENT_STEPS = 10  # the test accuracy after each of a run's last steps: the final figure's step-to-step noise
@@ -121,6 +130,7 @@ class Attacker:
         self.last_message = None  # blind-flip: the last step's message, as every site receives it
         self.estimated_standing = 0.0  # blind-flip: its standing as it estimates it
         self.estimated_peers = 0.0  # blind-flip: its peers' standing as it estimates it
+        self.previous: dict[int, list] = {}  # blind-margin, blind-shrink: the others' uploads of the last step, by phase
 
     def __call__(self, payloads: list, messages: list) -> list:
         genuine = payloads[ATTACKER]
@@ -139,6 +149,12 @@ class Attacker:
             bad = attacked(genuine, self.roles, lambda k, t: t * -self.margin_scale(payloads, messages))
         elif self.kind == "shrink":
             bad = attacked(genuine, self.roles, lambda k, t: t * -self.margin_scale(payloads, messages, largest=0.0))
+        elif self.kind == "withhold":
+            bad = attacked(genuine, self.roles, lambda k, t: t * -self.margin_scale(payloads, messages, largest=0.0, whole=True))
+        elif self.kind == "blind-margin":
+            bad = attacked(genuine, self.roles, lambda k, t: t * -self.stale_margin_scale(payloads, messages))
+        elif self.kind == "blind-shrink":
+            bad = attacked(genuine, self.roles, lambda k, t: t * -self.stale_margin_scale(payloads, messages, largest=0.0))
         elif self.kind == "blind-flip":
             bad = attacked(genuine, self.roles, lambda k, t: t * -self.blind_scale(genuine, messages))
         elif self.kind == "ortho":
@@ -158,22 +174,24 @@ class Attacker:
             bad = genuine
         return [*payloads[:ATTACKER], bad]
 
-    def kept(self, payloads: list, messages: list) -> bool:
+    def kept(self, payloads: list, messages: list, whole: bool = False) -> bool:
         """Whether the rule, as the coordinator holds it now (every site's standings, momenta and
-        the clip's history, unless the run is per step), keeps the attacker among ``payloads``."""
+        the clip's history, unless the run is per step), keeps the attacker among ``payloads``;
+        ``whole``: and counts it as a whole site in the mean."""
         sites = [str(i) for i in range(len(payloads))] if self.standing else None
-        return ATTACKER not in self.screening.weights(payloads, messages, sites).disagreeing
+        weights = self.screening.weights(payloads, messages, sites)
+        return ATTACKER not in weights.disagreeing and (not whole or weights.counts is None or weights.counts[ATTACKER] >= 1.0)
 
-    def margin_scale(self, payloads: list, messages: list, largest: float = 20.0) -> float:
-        """The largest s in [−1, ``largest``] at which −s × the genuine upload is not zeroed by agreement, the
-        attacker knowing every upload, every site's standing and the clip's history (bisection on the
-        rule itself)."""
+    def margin_scale(self, payloads: list, messages: list, largest: float = 20.0, whole: bool = False) -> float:
+        """The largest s in [−1, ``largest``] at which −s × the genuine upload is not zeroed by agreement
+        (``whole``: and counts as a whole site in the mean), the attacker knowing every upload, every
+        site's standing and the clip's history (bisection on the rule itself)."""
         step, phase = payloads[0].step, payloads[0].phase
         if not self.strategy.uploads_agree(step, phase):
             return largest
 
         def kept(scale: float) -> bool:
-            return self.kept([*payloads[:ATTACKER], attacked(payloads[ATTACKER], self.roles, lambda k, t: t * -scale)], messages)
+            return self.kept([*payloads[:ATTACKER], attacked(payloads[ATTACKER], self.roles, lambda k, t: t * -scale)], messages, whole)
 
         if kept(largest):
             return largest
@@ -182,6 +200,18 @@ class Attacker:
             middle = (low + high) / 2
             low, high = (middle, high) if kept(middle) else (low, middle)
         return low
+
+    def stale_margin_scale(self, payloads: list, messages: list, largest: float = 20.0) -> float:
+        """``margin_scale`` with the others' uploads of the last step standing for this step's: what a
+        site can know (it learns them once the step is done: the message carries them, or their sum),
+        with every standing and the clip's history as the coordinator holds them (more than a site
+        knows)."""
+        genuine, phase = payloads[ATTACKER], payloads[ATTACKER].phase
+        previous, self.previous[phase] = self.previous.get(phase), payloads[:ATTACKER]
+        if previous is None:
+            return -1.0  # nothing to estimate from yet: its genuine upload
+        others = [type(p)(genuine.step, p.phase, p.num_samples, p.tensors) for p in previous]
+        return self.margin_scale([*others, genuine], messages, largest)
 
     def orthogonal(self, payloads: list, messages: list):
         """Its genuine gradient negated, with the part along the others' sum replaced by just enough
@@ -288,7 +318,8 @@ def run(
     attacker = Attacker(attack if not honest_only else "clean4", strategy, screening, standing)
     server = strategy.server(coordinator.layout, coordinator.model)
     refused_attacker = refused_honest = aborted = 0
-    attacker_weighed = honest_weighed = honest_clipped = honest_zeroed = honest_touched = honest_basis = 0
+    attacker_weighed = honest_weighed = honest_clipped = honest_zeroed = honest_touched = honest_basis = undiluted = 0
+    lengthened = 0.0  # the kept sites' common factor less 1, summed over the steps
     error, recent = None, []
     try:
         for step in range(steps):
@@ -329,6 +360,8 @@ def run(
             honest_zeroed += any(k in honest_sites for k in weighed.get("disagreeing", ()))
             honest_touched += any(factors[k] < 1.0 for k in honest_sites)
             honest_basis += any(k in honest_sites for k in weighed.get("basis_clipped", ()))
+            undiluted += weighed.get("undiluted", 1.0) > 1.0
+            lengthened += weighed.get("undiluted", 1.0) - 1.0
             fingerprints = {replica.apply(messages) for replica in [*sites, coordinator]}
             if len(fingerprints) != 1:
                 raise RuntimeError(f"replicas differ after step {step}")
@@ -344,6 +377,7 @@ def run(
         "attacker_weighed": attacker_weighed / steps, "honest_weighed": honest_weighed / (steps * honest),
         "steps_honest_clipped": honest_clipped / steps, "steps_honest_zeroed": honest_zeroed / steps,
         "steps_honest_touched": honest_touched / steps, "steps_honest_basis_clipped": honest_basis / steps,
+        "steps_undiluted": undiluted / steps, "mean_undiluted": 1.0 + lengthened / undiluted if undiluted else 1.0,
     }
 
 
@@ -365,6 +399,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--no-agreement", action="store_true")
     parser.add_argument("--agreement-margin", type=float, default=None, help="beta (default: the rule's)")
     parser.add_argument("--standing-weight", type=float, default=None, help="lambda (default: the rule's)")
+    parser.add_argument("--full-count-share", type=float, default=None, help="k, the share of its peers' pull a site counts whole at (default: the rule's)")
     parser.add_argument("--momentum", type=float, default=None, help="mu, 0: agreement on each step's updates alone (default: the rule's)")
     parser.add_argument("--partition", choices=["iid", "dirichlet", "quantity"], default="iid", help="how the sites' data is split")
     parser.add_argument("--alpha", type=float, default=0.5, help="the Dirichlet concentration of a non-IID split")
@@ -382,7 +417,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     torch.set_num_threads(1)
     PARTITION.update(scheme=args.partition, alpha=args.alpha)
     RULE.update({
-        k: v for k, v in (("agreement_margin", args.agreement_margin), ("standing_weight", args.standing_weight), ("momentum", args.momentum))
+        k: v for k, v in (
+            ("agreement_margin", args.agreement_margin), ("standing_weight", args.standing_weight), ("momentum", args.momentum),
+            ("full_count_share", args.full_count_share),
+        )
         if v is not None
     })
     rows = []
@@ -399,7 +437,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     f"refused attacker {row['refused_attacker']} honest {row['refused_honest']} aborted {row['aborted']} "
                     f"attacker<1 {row['attacker_weighed']:.2f} honest<1 {row['honest_weighed']:.3f} "
                     f"steps honest clipped {row['steps_honest_clipped']:.3f} zeroed {row['steps_honest_zeroed']:.3f} "
-                    f"either {row['steps_honest_touched']:.3f} basis clipped {row['steps_honest_basis_clipped']:.3f}"
+                    f"either {row['steps_honest_touched']:.3f} basis clipped {row['steps_honest_basis_clipped']:.3f} "
+                    f"undiluted {row['steps_undiluted']:.3f} (mean factor {row['mean_undiluted']:.3f})"
                     + (f" STOPPED {row['error']}" if row["error"] else ""),
                     flush=True,
                 )

@@ -29,6 +29,7 @@ from torch import nn
 
 from .checks import check_uploads, contribution_norms, layerwise_terms
 from .layout import CapturedLayer, Layout
+from .robust import MAX_UNDILUTED
 from .payload import BUFFER_ROLE, GRAD_ROLE, IDS_ROLE, ROWS_ROLE, LocalResult, Payload, split_key, tensor_key
 
 StateDict = dict[str, torch.Tensor]
@@ -254,13 +255,15 @@ class Strategy:
     SCALED_ROLES = frozenset({GRAD_ROLE, "D", ROWS_ROLE, "P", "P_scale"})
 
     def scale(self, layout: Layout, payload: Payload, factor: float) -> Payload:
-        """The same upload with the update it adds multiplied by ``factor`` in [0, 1], exactly
-        (the robust rule's clipping and weights, ``robust.py``): every floating tensor of a
-        role in ``SCALED_ROLES`` times ``factor``; buffers are statistics, not gradients, and
-        stay. Never enlarges (the privacy sensitivity and byte counts stay valid). A strategy
-        whose gradient travels under other roles overrides ``SCALED_ROLES``."""
-        if not 0.0 <= factor <= 1.0:
-            raise ValueError(f"{self.name}: scale factor {factor!r} is outside [0, 1]")
+        """The same upload with the update it adds multiplied by ``factor`` in [0,
+        ``MAX_UNDILUTED``], exactly (the robust rule's clipping, weights and counts,
+        ``robust.py``): every floating tensor of a role in ``SCALED_ROLES`` times ``factor``;
+        buffers are statistics, not gradients, and stay. Above 1 only where the rule counts a
+        weak site less in the mean, which it never does under differential privacy (its
+        sensitivity stays valid). A strategy whose gradient travels under other roles overrides
+        ``SCALED_ROLES``."""
+        if not 0.0 <= factor <= MAX_UNDILUTED:
+            raise ValueError(f"{self.name}: scale factor {factor!r} is outside [0, {MAX_UNDILUTED}]")
         tensors = {
             key: tensor * factor if split_key(key)[1] in self.SCALED_ROLES and tensor.is_floating_point() else tensor
             for key, tensor in payload.tensors.items()

@@ -1,9 +1,10 @@
 """``dadfl.strategies.robust`` — bounded influence: from the Gram matrix of the sites' updates, a factor in [0, 1] per site.
 
 Input: G (S × S, float64), G_ij = ⟨g_i, g_j⟩ of the sites' updates in mean units (``gram.py``
-computes it from the factors). Output: s_i ∈ [0, 1]; the coordinator scales site i's upload
-by s_i (``Strategy.scale``) before aggregating, so the update is Σ_i (n_i/N) s_i g_i, N the
-samples of the sites of nonzero weight.
+computes it from the factors). Output: s_i ∈ [0, 1] and a factor b ∈ [1, ``MAX_UNDILUTED``]
+common to the kept sites; the coordinator scales site i's upload by b · s_i
+(``Strategy.scale``) before aggregating, so the update is b Σ_i (n_i/N) s_i g_i, N the samples
+of the sites of nonzero weight.
 
 1. **Clip** to a robust reference: with ‖g_i‖ = √G_ii, m_i the median of the *other*
    sites' norms this step (with 2 sites: the other site's norm) and H_i the median, over
@@ -101,8 +102,27 @@ samples of the sites of nonzero weight.
    what it sends across them is bounded by the clip alone (``docs/robustness.md``, "The
    attacker across the others' sum").
 
-s_i = a_i · w_i. A clean step (every site within c× the others' median and its agreement
-bound) gives every site 1: the coordinator then aggregates the uploads untouched.
+3. **Count** (with site ids, on each step's updates, 3 or more sites kept): a kept site counts
+   in the mean by the share of its peers' pull forward it keeps,
+
+       c_i = min(1, max(0, score_i / (k · r_i)))  where r_i < 0, else 1,      k = ``FULL_COUNT_SHARE`` (2/3),
+
+   score_i its score of step 2 (:func:`pull_count`), and every kept upload is multiplied by
+   Σ n_i / Σ c_i n_i over the kept sites, at most ``MAX_UNDILUTED`` (:func:`undiluted`): the
+   mean is over the samples that count. The update's direction is plain averaging's; only its
+   length changes, and only upwards.
+   Why: a site within its bound may keep as little as a third of its peers' pull, every step,
+   and stay in the mean with all its samples: the honest sites' step then shrinks by about two
+   thirds of its share of the samples. No rule can zero it without zeroing an honest hospital
+   whose samples the model already fits (a small gradient pointing the same way); counting it
+   less gives back the step length it withholds, whoever it is. At k of its peers' pull or more
+   a site counts 1, so alike honest sites count less only by their standing's noise (a few
+   percent of the step's length); where the peers push back on each other (label skew) every
+   site counts 1.
+
+s_i = a_i · w_i (times the count's factor where step 3 applies). A clean step (every site
+within c× the others' median and its agreement bound, none counting less) gives every site 1:
+the coordinator then aggregates the uploads untouched.
 
 Not under differential privacy: the factors depend on every site's data, so one record
 could move a whole site's weight, a sensitivity the noise is not calibrated for (the
@@ -120,7 +140,10 @@ against how often honest sites are clipped; ``agreement_margin`` (β,
 ``federation.agreement_margin``) how much more a site may push back on average than its peers
 do among themselves, against how often an honest site is zeroed: a hospital whose data differ
 from all the others' (label skew) pushes back more than they do on each other, so raise it
-there, or turn agreement off. ``docs/robustness.md`` has the measurements behind the defaults.
+there, or turn agreement off. ``FULL_COUNT_SHARE`` (k) trades how much step length a site that
+withholds can take from the others (its share of the samples times 1 − k, at most) against how
+often alike honest sites' steps are lengthened for their standing's noise; ``MAX_UNDILUTED`` bounds
+that lengthening. ``docs/robustness.md`` has the measurements behind the defaults.
 Non-finite entries of G are the checks' business (``influence_outliers`` refuses non-finite
 norms before this runs); here they raise.
 """
@@ -145,6 +168,12 @@ DEFAULT_STANDING_WEIGHT = 0.9  # the weight of a site's past steps in its score,
 # The least share of its peers' pull forward a site keeps within its bound (module text, step 2),
 # measured: docs/robustness.md
 MIN_PULL_SHARE = 1 / 3
+# The share of its peers' pull at or above which a kept site counts as a whole site in the mean
+# (module text, step 3), measured: docs/robustness.md
+FULL_COUNT_SHARE = 2 / 3
+# The most a step's mean is scaled by for the sites that count less (1.5: one of 3 alike sites
+# counting 0); what ``Strategy.scale`` accepts
+MAX_UNDILUTED = 1.5
 MOMENTUM_PULL_SHARE = 1.0  # the same on momenta, whose pull is steadier: r_i + β alone, measured: docs/robustness.md
 # μ: 0, agreement on each step's updates; 0.9 where sites' data are alike (IID), measured: docs/robustness.md
 DEFAULT_MOMENTUM = 0.0
@@ -195,6 +224,9 @@ class Weights:
     # per site, the median push-back of the kept sites other than it among themselves (None where
     # fewer than 2 of them are kept): what its peers' standing follows
     peer_push_backs: list[float | None] | None = None
+    # each site's count in the mean (step 3; 0 for a site zeroed), None where the rule did not count
+    counts: list[float] | None = None
+    undiluted: float = 1.0  # what every kept site's factor is multiplied by for the counts (step 3)
 
     @property
     def clipped(self) -> list[int]:
@@ -203,7 +235,7 @@ class Weights:
 
     @property
     def untouched(self) -> bool:
-        return all(f == 1.0 for f in self.factors)
+        return self.undiluted == 1.0 and all(f == 1.0 for f in self.factors)
 
 
 def robust_weights(
@@ -216,13 +248,17 @@ def robust_weights(
     recent_norms: Sequence[Sequence[float]] | None = None,
     peer_standing: Sequence[float] | None = None,
     momentum: Momentum | None = None,
+    samples: Sequence[float] | None = None,
+    full_count_share: float = FULL_COUNT_SHARE,
 ) -> Weights:
     """The rule above on the Gram matrix ``G``; ``clip_ratio`` None or 0: no clipping.
     ``standing`` and ``peer_standing``: each site's standing and its peers' before this step
     (0 for a site not seen before; ``peer_standing`` None: all 0); ``standing`` None: the step
     alone decides (λ = 0, the peers as they are this step). ``recent_norms``: each site's norms
     in its last committed steps, oldest first (H_i); None: this step's median alone.
-    ``momentum``: the sites' momenta before this step; agreement then reads them (module text)."""
+    ``momentum``: the sites' momenta before this step; agreement then reads them (module text).
+    ``samples``: each site's sample count, what the mean weighs it by (None: all alike);
+    ``full_count_share``: k of step 3."""
     S = G.shape[0]
     if not bool(torch.isfinite(G).all()):
         raise ValueError("the sites' Gram matrix is not finite")
@@ -273,7 +309,15 @@ def robust_weights(
             push_backs = [kept.get(i, left_out.get(i, 0.0)) for i in range(S)]
             peer_push_backs = _peer_push_backs(clipped, remaining, lengths)
     factors = [0.0 if i in disagreeing else clip[i] for i in range(S)]
-    return Weights(factors, clip, disagreeing, push_backs, norms, peer_push_backs)
+    counts, mean = None, 1.0
+    if push_backs is not None and standing is not None and momentum is None and len(remaining) >= 3:
+        counts = [
+            pull_count(updated_standing(past[i], push_backs[i], weight), peers[i], full_count_share) if i in remaining else 0.0
+            for i in range(S)
+        ]
+        weighed = samples if samples is not None else [1.0] * S
+        mean = undiluted([counts[i] for i in remaining], [weighed[i] for i in remaining])
+    return Weights(factors, clip, disagreeing, push_backs, norms, peer_push_backs, counts, mean)
 
 
 def history_references(recent_norms: Sequence[Sequence[float]]) -> list[float]:
@@ -305,6 +349,25 @@ def agreement_bound(peer_standing: float, agreement_margin: float = DEFAULT_AGRE
     its peers by β, or, where they pull each other forward strongly, keeping less than
     ``MIN_PULL_SHARE`` of their pull (module text, step 2)."""
     return max(peer_standing + agreement_margin, pull_share * peer_standing)
+
+
+def pull_count(score: float, peer_standing: float, full_share: float = FULL_COUNT_SHARE) -> float:
+    """What a kept site counts for in the mean (module text, step 3): 1 where it keeps
+    ``full_share`` or more of its peers' pull forward, or where they do not pull each other
+    forward; less in proportion below that, 0 for a site that pulls nothing."""
+    if peer_standing >= 0:
+        return 1.0
+    return min(1.0, max(0.0, score / (full_share * peer_standing)))
+
+
+def undiluted(counts: Sequence[float], samples: Sequence[float]) -> float:
+    """The factor every kept site's upload is multiplied by so that the mean is over the samples
+    that count (module text, step 3): Σ n_i / Σ c_i n_i over the kept sites, at most
+    ``MAX_UNDILUTED``."""
+    total, counted = math.fsum(samples), math.fsum(c * n for c, n in zip(counts, samples))
+    if not total or counted >= total:
+        return 1.0
+    return min(MAX_UNDILUTED, total / counted) if counted > 0 else MAX_UNDILUTED
 
 
 def updated_standing(before: float, push_back: float, standing_weight: float = DEFAULT_STANDING_WEIGHT) -> float:

@@ -17,8 +17,10 @@ step, attempt, phase, model version, sample count). Then, over all uploads of th
    site that pushes the model back along the others' sum, on average over its recent steps,
    by ``agreement_margin`` × their median norm more than the other sites do among themselves
    (``agreement``); with ``momentum`` above 0, measured on each site's momentum of its clipped
-   updates instead of the step's (kept here by site id, phase and parameter, in float32) — and each
-   upload scaled by its factor (``Strategy.scale``). Factors decided in a step's earlier
+   updates instead of the step's (kept here by site id, phase and parameter, in float32), and,
+   where a kept site keeps less than 2/3 of its peers' pull forward, a factor in [1, 1.5] common
+   to the kept sites that gives back the step length it withholds (the mean over the samples
+   that count) — and each upload scaled by its factors (``Strategy.scale``). Factors decided in a step's earlier
    phases bound the later ones', except those of a phase that only chooses a basis
    (``Strategy.chooses_basis``, PowerSGD's P_s: clipped to the others' median norm, no
    agreement). A step where every factor is 1 aggregates the uploads untouched.
@@ -59,8 +61,8 @@ from dadfl.strategies import Payload
 from dadfl.strategies.checks import ModelFacts, all_finite, check_update, finite_flags, influence_outliers
 from dadfl.strategies.gram import STACKED_ELEMENTS, UnpairedForms, formed, gram, sq_norm, sq_norms
 from dadfl.strategies.robust import (
-    BASIS_CLIP_RATIO, DEFAULT_AGREEMENT_MARGIN, DEFAULT_CLIP_RATIO, DEFAULT_MOMENTUM, DEFAULT_STANDING_WEIGHT, Momentum, Weights,
-    recorded_norms, robust_weights, updated_standing,
+    BASIS_CLIP_RATIO, DEFAULT_AGREEMENT_MARGIN, DEFAULT_CLIP_RATIO, DEFAULT_MOMENTUM, DEFAULT_STANDING_WEIGHT, FULL_COUNT_SHARE, Momentum,
+    Weights, recorded_norms, robust_weights, updated_standing,
 )
 
 log = logging.getLogger(__name__)
@@ -169,6 +171,7 @@ class Screening:
     agreement_margin: float = DEFAULT_AGREEMENT_MARGIN  # β (``robust.py``)
     standing_weight: float = DEFAULT_STANDING_WEIGHT  # λ (``robust.py``)
     momentum: float = DEFAULT_MOMENTUM  # μ (``robust.py``); 0: agreement on each step's updates alone
+    full_count_share: float = FULL_COUNT_SHARE  # k (``robust.py``): the share of its peers' pull a site counts whole at
     facts: ModelFacts = field(init=False)
     # The step's factors so far (its earlier phases bound the later ones), and what the
     # metrics record of them: reset by each step's (each attempt's) phase 0.
@@ -282,7 +285,9 @@ class Screening:
             self._remember(decision, payloads[0].step, payloads[0].phase, sites)
         # A site of weight 0 leaves the phase's aggregate and its sample count, as if it had not
         # sent: the others' mean is not diluted by it.
-        kept = [(payload, factor) for payload, factor in zip(payloads, decision.factors) if factor > 0.0]
+        # A site that counts less leaves part of its samples: every kept upload is scaled up for it.
+        mean = decision.weights.undiluted
+        kept = [(payload, factor * mean) for payload, factor in zip(payloads, decision.factors) if factor > 0.0]
         strategy, layout = self.strategy, self.replica.layout
         return [payload if factor == 1.0 else strategy.scale(layout, payload, factor) for payload, factor in kept]
 
@@ -326,7 +331,8 @@ class Screening:
                     log.warning("step %d phase %d: agreement on this step alone, no momentum (%s); told once", step, phase, exc)
                     self.momentum_warned = True
         weights = robust_weights(
-            G, clip_ratio, agreement, self.agreement_margin, before, self.standing_weight, history, peers_before, momentum
+            G, clip_ratio, agreement, self.agreement_margin, before, self.standing_weight, history, peers_before, momentum,
+            [payload.num_samples for payload in payloads], self.full_count_share,
         )
         names = list(sites) if sites is not None else None
         here = _positions(earlier, names, len(payloads)) if earlier else {}  # earlier index -> this phase's
@@ -385,7 +391,7 @@ class Screening:
             basis_clipped, clipped = basis_clipped | clipped, set()
         self.weighed = {
             "step": step, "sites": names, "factors": [1.0] * len(factors) if basis else factors, "clipped": sorted(clipped),
-            "disagreeing": sorted(disagreeing), "basis_clipped": sorted(basis_clipped),
+            "disagreeing": sorted(disagreeing), "basis_clipped": sorted(basis_clipped), "undiluted": weights.undiluted,
         }
         if before is not None and weights.push_backs is not None:
             standing, peer_standing = dict(standing), dict(peer_standing)
@@ -448,6 +454,7 @@ class Screening:
             "robust_clipped": [names[i] for i in weighed["clipped"]],
             "robust_disagreeing": [names[i] for i in weighed["disagreeing"]],
             "robust_basis_clipped": [names[i] for i in weighed.get("basis_clipped", ())],
+            **({"robust_undiluted": round(weighed["undiluted"], 4)} if weighed.get("undiluted", 1.0) != 1.0 else {}),
             **({"robust_standing": {name: round(self.standing[name], 4) for name in names if name in self.standing}} if "standing" in weighed else {}),
             **({"robust_peer_standing": {name: round(self.peer_standing[name], 4) for name in names if name in self.peer_standing}}
                if "peer_standing" in weighed else {}),

@@ -13,8 +13,8 @@ from dadfl.strategies.base import split_key
 from dadfl.strategies.gram import Dense, Factors, Lookups, LowRank, UnpairedForms, formed, gram, inner
 from dadfl.strategies.quantize import unpack
 from dadfl.strategies.robust import (
-    CLIP_HISTORY_STEPS, DEFAULT_AGREEMENT_MARGIN, DEFAULT_CLIP_RATIO, MIN_CLIP_HISTORY, MIN_PULL_SHARE, agreement_bound, history_references, recent_quantile,
-    Momentum, recorded_norms, robust_weights,
+    CLIP_HISTORY_STEPS, DEFAULT_AGREEMENT_MARGIN, DEFAULT_CLIP_RATIO, FULL_COUNT_SHARE, MAX_UNDILUTED, MIN_CLIP_HISTORY, MIN_PULL_SHARE,
+    agreement_bound, history_references, recent_quantile, Momentum, pull_count, recorded_norms, robust_weights, undiluted,
     updated_standing,
 )
 from tests.strategies.test_strategy_checks import WORKLOADS, federation
@@ -59,7 +59,7 @@ def test_a_scaled_upload_adds_its_update_times_the_factor(name):
     strategy = make_strategy(strategy_name, **options)
     if strategy.needs_factors:
         _, layout, _, model, _, locals_ = federation("digits-mlp", "dad")
-    factors = [1.0, 0.25, 0.0]
+    factors = [MAX_UNDILUTED, 0.25, 0.0]  # up (the count's factor), down, out
     scaled, _ = run_step(strategy, layout, model, locals_, factors)
     N = sum(local.num_samples for local in locals_)
     alone = [flat(run_step(strategy, layout, model, [local], [1.0])[0]) for local in locals_]
@@ -342,7 +342,7 @@ def four_uploads(strategy):
 
 def times(strategy, payload, factor: float):
     """The upload with its gradient-carrying tensors (the strategy's ``SCALED_ROLES``) times
-    ``factor``, of any sign or size: what an attacker sends (``Strategy.scale`` takes [0, 1] only)."""
+    ``factor``, of any sign or size: what an attacker sends (``Strategy.scale`` takes [0, ``MAX_UNDILUTED``] only)."""
     return type(payload)(payload.step, payload.phase, payload.num_samples, {
         k: factor * t if split_key(k)[1] in strategy.SCALED_ROLES and t.is_floating_point() else t for k, t in payload.tensors.items()
     })
@@ -510,6 +510,57 @@ def test_untouched_weights_aggregate_the_uploads_bit_identically_and_a_zeroed_si
 
     assert same(message(payloads), plain(payloads)) and screening.weighed["factors"] == [1.0] * 4
     assert same(message([*payloads[:3], flipped]), plain(payloads[:3])) and screening.weighed["disagreeing"] == [3]
+
+
+def test_a_site_counts_by_the_share_of_its_peers_pull_it_keeps():
+    r = -0.3
+    assert pull_count(FULL_COUNT_SHARE * r, r) == 1.0 and pull_count(r, r) == 1.0  # at k of the pull or more: a whole site
+    assert pull_count(FULL_COUNT_SHARE * r / 2, r) == pytest.approx(0.5)  # in proportion below
+    assert pull_count(0.0, r) == 0.0 and pull_count(0.1, r) == 0.0  # pulls nothing, or pushes back
+    assert pull_count(0.3, 0.0) == 1.0 and pull_count(0.3, 0.1) == 1.0  # peers that do not pull each other: no measure
+
+
+def test_the_mean_is_over_the_samples_that_count_and_never_lengthened_past_its_bound():
+    assert undiluted([1.0, 1.0, 1.0], [32, 32, 32]) == 1.0
+    assert undiluted([0.5, 1.0, 1.0], [10, 10, 20]) == pytest.approx(40 / 35)
+    assert undiluted([0.0, 0.0, 1.0], [1, 1, 1]) == MAX_UNDILUTED  # 3 would be the samples' ratio
+    assert undiluted([0.0, 0.0, 0.0], [1, 1, 1]) == MAX_UNDILUTED
+
+
+def test_a_site_that_keeps_little_of_its_peers_pull_is_kept_and_counts_less_in_the_mean():
+    honest = [[1.0, 0.1], [1.0, -0.1], [0.9, 0.0]]
+    G = gram_of([*honest, [0.2, 0.0]])
+    weights = robust_weights(G, standing=[-0.3, -0.3, -0.3, -0.15], peer_standing=[-0.3] * 4)
+    assert weights.disagreeing == [] and weights.factors == [1.0] * 4  # within its bound: kept, not scaled apart
+    assert weights.counts[:3] == [1.0] * 3 and 0.0 < weights.counts[3] < 1.0
+    assert weights.undiluted == pytest.approx(4 / sum(weights.counts)) and not weights.untouched
+    alike = robust_weights(gram_of([*honest, [1.0, 0.0]]), standing=[-0.3] * 4, peer_standing=[-0.3] * 4)
+    assert alike.counts == [1.0] * 4 and alike.untouched
+    alone = robust_weights(G)  # without site ids the step alone decides, and nothing is counted
+    assert alone.counts is None and alone.undiluted == 1.0
+
+
+def test_the_screening_scales_every_kept_upload_by_the_counts_factor_and_records_it():
+    """Real dAD uploads through the coordinator's screening, with site ids: a fourth site that
+    sends a fifth of its gradient, within its bound, is kept; every upload is scaled by Σ n / Σ c n
+    and the message is, to the bit, plain aggregation of the uploads so scaled."""
+    from dadfl.trust.screening import Screening
+
+    strategy = make_strategy("dad")
+    coordinator, payloads, _ = four_uploads(strategy)
+    uploads = [*payloads[:3], times(strategy, payloads[3], 0.2)]
+    names = ["a", "b", "c", "d"]
+    screening = Screening(coordinator, 100.0, None)
+    screening.standing = {"a": -0.3, "b": -0.3, "c": -0.3, "d": -0.15}
+    screening.peer_standing = dict.fromkeys(names, -0.3)
+    weights = screening.weights(uploads, [], names)
+    assert weights.disagreeing == [] and weights.undiluted > 1.0
+    sent = screening.message(strategy.server(coordinator.layout, coordinator.model), uploads, [], sites=names)[0]
+    plain = strategy.server(coordinator.layout, coordinator.model).aggregate(
+        [strategy.scale(coordinator.layout, p, weights.undiluted) for p in uploads]
+    )
+    assert sent.tensors.keys() == plain.tensors.keys() and all(torch.equal(sent.tensors[k], plain.tensors[k]) for k in sent.tensors)
+    assert screening.commit(0, names)["robust_undiluted"] == round(weights.undiluted, 4)
 
 
 @pytest.mark.parametrize("memory", ["site", "global"])
