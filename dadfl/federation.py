@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from dadfl.config import StrictModel
-from dadfl.strategies.robust import DEFAULT_AGREEMENT_MARGIN, DEFAULT_CLIP_RATIO, DEFAULT_MOMENTUM, check_clip_ratio
+from dadfl.strategies.robust import DEFAULT_AGREEMENT_MARGIN, DEFAULT_CLIP_RATIO, DEFAULT_MOMENTUM, FULL_COUNT_SHARE, check_clip_ratio
 
 
 class FederationConfig(StrictModel):
@@ -45,6 +45,12 @@ class FederationConfig(StrictModel):
         DEFAULT_AGREEMENT_MARGIN, ge=0, le=10, description="how much more a site may push back (in median norms) than "
         "the other sites do on each other; raise it where one site's data differ much from all the others' (non-IID sites "
         "push back honestly: docs/robustness.md)"
+    )
+    full_count_share: float = Field(
+        FULL_COUNT_SHARE, ge=0, le=1, description="with agreement: a kept site that keeps less than this share of the "
+        "pull forward the other sites have on each other counts less in the mean, and every kept update is scaled up "
+        "(at most 1.5x) for the samples that do not count, so a site that withholds cannot shorten the others' step; "
+        "0: every kept site counts whole (the step's length is plain averaging's) (docs/robustness.md)"
     )
     agreement_momentum: float = Field(
         DEFAULT_MOMENTUM, ge=0, lt=1, description="agreement reads each site's momentum of its updates (their sum over "

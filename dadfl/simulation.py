@@ -21,7 +21,7 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from dadfl.strategies import exchange, make_strategy
 from dadfl.strategies.introspect import gradient_ranks
-from dadfl.strategies.robust import DEFAULT_AGREEMENT_MARGIN, DEFAULT_CLIP_RATIO, DEFAULT_MOMENTUM, check_clip_ratio
+from dadfl.strategies.robust import DEFAULT_AGREEMENT_MARGIN, DEFAULT_CLIP_RATIO, DEFAULT_MOMENTUM, FULL_COUNT_SHARE, check_clip_ratio
 from dadfl.workloads import load_workload, partition, site_batches
 from dadfl.workloads.batches import PoissonBatches, SplitDataset
 
@@ -131,6 +131,10 @@ class SimulationConfig(StrictModel):
     agreement_momentum: float = Field(
         DEFAULT_MOMENTUM, ge=0, lt=1, description="agreement on each site's momentum of its updates (federation.agreement_momentum); 0: each step alone"
     )
+    full_count_share: float = Field(
+        FULL_COUNT_SHARE, ge=0, le=1, description="a kept site keeping less of its peers' pull counts less in the mean "
+        "(federation.full_count_share); 0: every kept site counts whole"
+    )
     phase_timeout_s: float = Field(60.0, gt=0, description="--mode processes: how long the coordinator waits for a site's "
                                    "payload (federation.phase_timeout_s); raise it for a large model on a busy CPU")
     rank_every: int = Field(5, ge=0, description="read the effective rank of each site's gradient and of their sum off the factors "
@@ -204,7 +208,7 @@ def _simulate(config: SimulationConfig, spec: StrategySpec, metrics: MetricsWrit
     # The coordinator's robust weights, as a networked run applies them (off under [dp], as there).
     screening = Screening(
         coordinator, math.inf, None, clip_ratio=config.clip_ratio, agreement=config.agreement, agreement_margin=config.agreement_margin,
-        momentum=config.agreement_momentum,
+        momentum=config.agreement_momentum, full_count_share=config.full_count_share,
     )
     names = [f"site-{s}" for s in range(len(sites))]
     has_test = workload.test is not None and len(workload.test) > 0

@@ -85,7 +85,7 @@ class Coordinator(Admission, SiteStreams, PhaseUploads, StepLoop, cpb_grpc.Coord
         self.screening = Screening(
             self.replica, federation.max_influence_ratio, federation.max_update_norm, self.codec,
             None if private else federation.clip_ratio, federation.agreement and not private, federation.agreement_margin,
-            momentum=federation.agreement_momentum,
+            momentum=federation.agreement_momentum, full_count_share=federation.full_count_share,
         )
         self.run_dir = Path(config.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -106,6 +106,7 @@ def server_config_file(config: SimulationConfig, spec: StrategySpec, folder: Pat
                 "min_sites": config.sites, "initial_sites": config.sites, "linger_s": 0,
                 "clip_ratio": config.clip_ratio, "agreement": config.agreement,
                 "agreement_margin": config.agreement_margin, "agreement_momentum": config.agreement_momentum,
+                "full_count_share": config.full_count_share,
                 "phase_timeout_s": config.phase_timeout_s,
             },
             **({"dp": {**config.dp.model_dump(exclude_none=True), "max_sample_rate": dp_sample_rate(config)}} if config.dp else {}),

@@ -258,7 +258,7 @@ def robust_weights(
     in its last committed steps, oldest first (H_i); None: this step's median alone.
     ``momentum``: the sites' momenta before this step; agreement then reads them (module text).
     ``samples``: each site's sample count, what the mean weighs it by (None: all alike);
-    ``full_count_share``: k of step 3."""
+    ``full_count_share``: k of step 3; 0: every kept site counts whole."""
     S = G.shape[0]
     if not bool(torch.isfinite(G).all()):
         raise ValueError("the sites' Gram matrix is not finite")
@@ -310,7 +310,7 @@ def robust_weights(
             peer_push_backs = _peer_push_backs(clipped, remaining, lengths)
     factors = [0.0 if i in disagreeing else clip[i] for i in range(S)]
     counts, mean = None, 1.0
-    if push_backs is not None and standing is not None and momentum is None and len(remaining) >= 3:
+    if full_count_share and push_backs is not None and standing is not None and momentum is None and len(remaining) >= 3:
         counts = [
             pull_count(updated_standing(past[i], push_backs[i], weight), peers[i], full_count_share) if i in remaining else 0.0
             for i in range(S)

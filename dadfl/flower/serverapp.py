@@ -95,7 +95,7 @@ class FlowerCoordinator:
         self.server_half = self.strategy.server(self.replica.layout, self.replica.model)
         self.screening = Screening(
             self.replica, bounds.max_influence_ratio, bounds.max_update_norm, clip_ratio=bounds.clip_ratio, agreement=bounds.agreement,
-            agreement_margin=bounds.agreement_margin, momentum=bounds.agreement_momentum,
+            agreement_margin=bounds.agreement_margin, momentum=bounds.agreement_momentum, full_count_share=bounds.full_count_share,
         )
         self.fingerprint = weights_fingerprint(self.replica.model)
         self.nodes: list[int] = []

@@ -25,6 +25,7 @@ from .policy import cached_workload
 BOUND_FIELDS = {
     "max_influence_ratio": FederationConfig, "max_update_norm": FederationConfig, "clip_ratio": FederationConfig,
     "agreement": FederationConfig, "agreement_margin": FederationConfig, "agreement_momentum": FederationConfig,
+    "full_count_share": FederationConfig,
     "max_payload_bytes": WireConfig,
 }
 # Keys a Flower run config may set besides the SimulationConfig fields (dashes or underscores).
@@ -58,6 +59,7 @@ class ServerBounds:
     agreement: bool = FederationConfig().agreement
     agreement_margin: float = FederationConfig().agreement_margin
     agreement_momentum: float = FederationConfig().agreement_momentum
+    full_count_share: float = FederationConfig().full_count_share
 
     @classmethod
     def from_values(cls, values: dict[str, Any], source: str) -> "ServerBounds":

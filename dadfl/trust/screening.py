@@ -171,7 +171,7 @@ class Screening:
     agreement_margin: float = DEFAULT_AGREEMENT_MARGIN  # β (``robust.py``)
     standing_weight: float = DEFAULT_STANDING_WEIGHT  # λ (``robust.py``)
     momentum: float = DEFAULT_MOMENTUM  # μ (``robust.py``); 0: agreement on each step's updates alone
-    full_count_share: float = FULL_COUNT_SHARE  # k (``robust.py``): the share of its peers' pull a site counts whole at
+    full_count_share: float = FULL_COUNT_SHARE  # k (``robust.py``); 0: every kept site counts whole in the mean
     facts: ModelFacts = field(init=False)
     # The step's factors so far (its earlier phases bound the later ones), and what the
     # metrics record of them: reset by each step's (each attempt's) phase 0.
