@@ -117,8 +117,9 @@ of the sites of nonzero weight.
    whose samples the model already fits (a small gradient pointing the same way); counting it
    less gives back the step length it withholds, whoever it is. At k of its peers' pull or more
    a site counts 1, so alike honest sites count less only by their standing's noise (a few
-   percent of the step's length); where the peers push back on each other (label skew) every
-   site counts 1.
+   percent of the step's length); where the peers push back on each other every site counts 1.
+   A hospital whose data differ from alike peers' (label skew) keeps little of their pull and
+   counts less: its step and theirs are lengthened, up to ``MAX_UNDILUTED``.
 
 s_i = a_i · w_i (times the count's factor where step 3 applies). A clean step (every site
 within c× the others' median and its agreement bound, none counting less) gives every site 1:
