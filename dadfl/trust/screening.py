@@ -20,8 +20,8 @@ step, attempt, phase, model version, sample count). Then, over all uploads of th
    updates instead of the step's (kept here by site id, phase and parameter, in float32), and,
    where a kept site keeps less than 2/3 of its peers' pull forward, a factor in [1, 1.5] common
    to the kept sites that gives back the step length it withholds (the mean over the samples
-   that count) — and each upload scaled by its factors (``Strategy.scale``). Factors decided in a step's earlier
-   phases bound the later ones', except those of a phase that only chooses a basis
+   that count) — and each upload scaled by its factors (``Strategy.scale``). Factors decided in
+   a step's earlier phases bound the later ones', except those of a phase that only chooses a basis
    (``Strategy.chooses_basis``, PowerSGD's P_s: clipped to the others' median norm, no
    agreement). A step where every factor is 1 aggregates the uploads untouched.
 3. :meth:`Screening.message` — the aggregated message as every site will decode it (after
